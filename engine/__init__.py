@@ -1,0 +1,1 @@
+"""The paged-KV inference engine (imported as kvops.engine)."""

@@ -1,0 +1,318 @@
+"""The block manager: which sequence holds which blocks, prefix caching and eviction.
+
+Every state transition of a block happens in `_set_state`, so the counts per state, the free
+queue, the evictor and the prefix-cache map can never disagree with the blocks themselves.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvops.engine.block import Block, BlockState
+from kvops.engine.eviction import Evictor, make_policy
+from kvops.engine.free_queue import FreeBlockQueue
+from kvops.engine.hashing import BlockHash, block_hashes
+
+DEFAULT_TENANT = "default"
+
+
+@dataclass
+class SeqBlocks:
+    """The block table of one live sequence, plus the hashes of its full blocks."""
+
+    seq_id: str
+    tenant: str
+    salt: str | None
+    block_ids: list[int] = field(default_factory=list)
+    hashes: list[BlockHash] = field(default_factory=list)
+    num_full: int = 0  # leading blocks already marked FULL
+
+
+@dataclass
+class TenantBlockStats:
+    evictions_caused: int = 0  # this tenant's allocations evicted another tenant's cached block
+    evictions_suffered: int = 0  # another tenant's allocation evicted this tenant's cached block
+
+
+class BlockManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        eviction_policy: str = "lru",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of at least one token (got {num_blocks} × {block_size})")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.clock = clock
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(range(num_blocks))
+        self.evictor = Evictor(make_policy(eviction_policy))
+        self.pending_free: list[int] = []
+        self.cached: dict[BlockHash, int] = {}  # prefix-cache map: block hash -> block id
+        self.seqs: dict[str, SeqBlocks] = {}
+        self.state_counts: Counter[BlockState] = Counter({BlockState.FREE: num_blocks})
+        self.tenants: dict[str, TenantBlockStats] = {}
+        self.evictions_total = 0
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def eviction_policy(self) -> str:
+        return self.evictor.policy.name
+
+    def num_allocatable(self) -> int:
+        """Blocks an allocation can take right now: free, cached (evictable) and pending reclaim."""
+        return len(self.free_queue) + len(self.evictor) + len(self.pending_free)
+
+    def block_table(self, seq_id: str) -> list[int]:
+        return self.seqs[seq_id].block_ids
+
+    def state_map(self) -> str:
+        return "".join(block.state.code for block in self.blocks)
+
+    def blocks_held(self) -> Counter[str]:
+        """Distinct blocks referenced by each tenant's live sequences."""
+        held: dict[str, set[int]] = {}
+        for seq in self.seqs.values():
+            held.setdefault(seq.tenant, set()).update(seq.block_ids)
+        return Counter({tenant: len(ids) for tenant, ids in held.items()})
+
+    def owner_map(self) -> list[str | None]:
+        return [block.owner if block.state is not BlockState.FREE else None for block in self.blocks]
+
+    # ------------------------------------------------------------ prefix cache
+
+    def lookup(self, token_ids: Sequence[int], salt: str | None) -> tuple[list[int], list[BlockHash]]:
+        """Cached blocks holding the longest prefix of `token_ids`, and the prompt's full-block hashes.
+
+        At least the last token is left uncached: its logits must be computed.
+        """
+        if not self.enable_prefix_caching:
+            return [], []
+        hashes = block_hashes(token_ids, self.block_size, salt)
+        hits: list[int] = []
+        max_hit_blocks = (len(token_ids) - 1) // self.block_size
+        for block_hash in hashes[:max_hit_blocks]:
+            block_id = self.cached.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits, hashes
+
+    # -------------------------------------------------------------- allocation
+
+    def allocate(
+        self,
+        seq_id: str,
+        num_tokens: int,
+        *,
+        tenant: str = DEFAULT_TENANT,
+        salt: str | None = None,
+        hit_block_ids: Sequence[int] = (),
+        hashes: Sequence[BlockHash] = (),
+    ) -> bool:
+        """Create the block table of a new sequence covering `num_tokens`, reusing `hit_block_ids`.
+
+        All or nothing: returns False and changes nothing when the blocks are not there.
+        """
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id!r} already holds blocks")
+        needed = max(0, -(-num_tokens // self.block_size) - len(hit_block_ids))
+        reusable_from_cache = sum(1 for b in hit_block_ids if self.blocks[b].state is BlockState.CACHED)
+        if needed > self.num_allocatable() - reusable_from_cache:
+            return False
+        seq = SeqBlocks(seq_id, tenant, salt, hashes=list(hashes))
+        self.seqs[seq_id] = seq
+        self.tenants.setdefault(tenant, TenantBlockStats())
+        now = self.clock()
+        for depth, block_id in enumerate(hit_block_ids):
+            block = self.blocks[block_id]
+            if block.state is BlockState.CACHED:
+                self._set_state(block, BlockState.FULL)
+            block.ref_count += 1
+            block.last_access = now
+            self.evictor.policy.on_hit(block, now)
+            block.depth = depth
+            seq.block_ids.append(block_id)
+        seq.num_full = len(hit_block_ids)
+        self._grow(seq, needed, now)
+        return True
+
+    def append_slots(self, seq_id: str, num_tokens: int) -> bool:
+        """Make the sequence's block table cover `num_tokens` tokens in all. All or nothing."""
+        seq = self.seqs[seq_id]
+        needed = -(-num_tokens // self.block_size) - len(seq.block_ids)
+        if needed <= 0:
+            return True
+        if needed > self.num_allocatable():
+            return False
+        self._grow(seq, needed, self.clock())
+        return True
+
+    def mark_computed(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """K/V is now written for the first `num_computed` tokens: blocks that filled up become FULL
+        and, with prefix caching on, enter the prefix-cache map."""
+        seq = self.seqs[seq_id]
+        num_full = min(num_computed // self.block_size, len(seq.block_ids))
+        if num_full <= seq.num_full:
+            return
+        if self.enable_prefix_caching and len(seq.hashes) < num_full:
+            parent = seq.hashes[-1] if seq.hashes else None
+            seq.hashes.extend(block_hashes(token_ids[: num_full * self.block_size], self.block_size,
+                                           seq.salt, start=len(seq.hashes), parent=parent))
+        for index in range(seq.num_full, num_full):
+            block = self.blocks[seq.block_ids[index]]
+            if block.state is BlockState.FILLING:
+                self._set_state(block, BlockState.FULL)
+            if self.enable_prefix_caching and block.hash is None:
+                block_hash = seq.hashes[index]
+                if block_hash not in self.cached:  # an identical block computed concurrently keeps the key
+                    block.hash = block_hash
+                    self.cached[block_hash] = block.block_id
+        seq.num_full = num_full
+
+    def fork(self, parent_id: str, child_id: str) -> list[tuple[int, int]] | None:
+        """Give `child_id` the parent's blocks: full ones shared, the filling one copied.
+
+        Returns the (source, destination) block copies the caller must perform, or None
+        when there is no block for the copy.
+        """
+        parent = self.seqs[parent_id]
+        if child_id in self.seqs:
+            raise ValueError(f"sequence {child_id!r} already holds blocks")
+        shared = parent.block_ids[: parent.num_full]
+        partial = parent.block_ids[parent.num_full :]
+        if len(partial) > self.num_allocatable():
+            return None
+        child = SeqBlocks(child_id, parent.tenant, parent.salt, hashes=list(parent.hashes[: parent.num_full]))
+        self.seqs[child_id] = child
+        for block_id in shared:
+            self.blocks[block_id].ref_count += 1
+            child.block_ids.append(block_id)
+        child.num_full = len(shared)
+        now = self.clock()
+        self._grow(child, len(partial), now)
+        return list(zip(partial, child.block_ids[len(shared) :], strict=True))
+
+    # ----------------------------------------------------------------- release
+
+    def free(self, seq_id: str) -> None:
+        """A finished (or preempted) sequence lets go: hashed blocks stay CACHED for reuse."""
+        self._release(seq_id, aborted=False)
+
+    def abort(self, seq_id: str) -> None:
+        """An aborted sequence lets go: its unshared blocks go PENDING_FREE until the next reclaim."""
+        self._release(seq_id, aborted=True)
+
+    def reclaim_pending(self) -> int:
+        """Move every PENDING_FREE block to FREE in one batch; returns how many."""
+        count = len(self.pending_free)
+        for block_id in self.pending_free:
+            block = self.blocks[block_id]
+            block.owner = None
+            self._set_state(block, BlockState.FREE)
+            self.free_queue.push(block_id)
+        self.pending_free.clear()
+        return count
+
+    def evict(self, max_blocks: int | None = None) -> int:
+        """Drop up to `max_blocks` cached blocks (all when None) to FREE; returns how many."""
+        count = 0
+        while len(self.evictor) and (max_blocks is None or count < max_blocks):
+            block = self.evictor.pop()
+            self._uncache(block)
+            block.owner = None
+            self._set_state(block, BlockState.FREE, from_evictor=True)
+            self.free_queue.push(block.block_id)
+            count += 1
+        return count
+
+    # ------------------------------------------------------------------- knobs
+
+    def set_prefix_caching(self, enabled: bool) -> None:
+        if not enabled:
+            self.evict()
+            for block_hash, block_id in list(self.cached.items()):
+                self.blocks[block_id].hash = None
+                del self.cached[block_hash]
+        self.enable_prefix_caching = enabled
+
+    def set_eviction_policy(self, name: str) -> None:
+        self.evictor.rebuild(make_policy(name))
+
+    # --------------------------------------------------------------- internals
+
+    def _grow(self, seq: SeqBlocks, count: int, now: float) -> None:
+        for _ in range(count):
+            block = self._take_block(seq.tenant)
+            block.ref_count = 1
+            block.owner = seq.tenant
+            block.depth = len(seq.block_ids)
+            block.last_access = now
+            block.freq = 1.0
+            seq.block_ids.append(block.block_id)
+
+    def _take_block(self, tenant: str) -> Block:
+        if not self.free_queue and self.pending_free:
+            self.reclaim_pending()
+        if self.free_queue:
+            block = self.blocks[self.free_queue.pop()]
+            self._set_state(block, BlockState.FILLING)
+            return block
+        block = self.evictor.pop()
+        self.evictions_total += 1
+        victim = block.owner or DEFAULT_TENANT
+        if victim != tenant:
+            self.tenants.setdefault(tenant, TenantBlockStats()).evictions_caused += 1
+            self.tenants.setdefault(victim, TenantBlockStats()).evictions_suffered += 1
+        self._uncache(block)
+        self._set_state(block, BlockState.FILLING, from_evictor=True)
+        return block
+
+    def _uncache(self, block: Block) -> None:
+        if block.hash is not None:
+            if self.cached.get(block.hash) == block.block_id:
+                del self.cached[block.hash]
+            block.hash = None
+
+    def _release(self, seq_id: str, aborted: bool) -> None:
+        seq = self.seqs.pop(seq_id)
+        now = self.clock()
+        # Tail first, so that among blocks released together the evictor sees the deepest as oldest.
+        for block_id in reversed(seq.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count > 0:
+                continue
+            if aborted:
+                self._uncache(block)
+                self._set_state(block, BlockState.PENDING_FREE)
+                self.pending_free.append(block_id)
+            elif block.hash is not None and block.state is BlockState.FULL:
+                block.last_access = now
+                self._set_state(block, BlockState.CACHED)
+                self.evictor.add(block)
+            else:
+                self._uncache(block)
+                block.owner = None
+                self._set_state(block, BlockState.FREE)
+                self.free_queue.push(block_id)
+
+    def _set_state(self, block: Block, state: BlockState, from_evictor: bool = False) -> None:
+        """The one place a block changes state."""
+        old = block.state
+        if old is state:
+            return
+        if old is BlockState.CACHED and not from_evictor:
+            self.evictor.remove(block)
+        self.state_counts[old] -= 1
+        self.state_counts[state] += 1
+        block.state = state

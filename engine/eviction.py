@@ -1,0 +1,112 @@
+"""Eviction policies for CACHED blocks.
+
+Each policy turns a block into a priority key; the evictor pops the smallest key first.
+Keys only change when a block is touched, so a heap with lazy deletion gives O(log n).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Protocol
+
+from kvops.engine.block import Block, BlockState
+
+EVICTION_POLICIES = ("lru", "lfu")
+
+
+class EvictionPolicy(Protocol):
+    name: str
+
+    def key(self, block: Block) -> tuple[float, ...]: ...
+
+    def on_hit(self, block: Block, now: float) -> None: ...
+
+
+class LRU:
+    """Least recently used first; on ties the tail of the longest chain first (prefixes outlive suffixes)."""
+
+    name = "lru"
+
+    def key(self, block: Block) -> tuple[float, ...]:
+        return (block.last_access, -block.depth, block.block_id)
+
+    def on_hit(self, block: Block, now: float) -> None:
+        block.freq += 1.0
+
+
+class LFU:
+    """Least frequently used, with recent hits weighted up.
+
+    The frequency decays with half-life `half_life_s`. Ranking blocks by freq * 2**((t - now)/H)
+    is the same as ranking by log2(freq) + t/H, which does not move with `now`.
+    """
+
+    name = "lfu"
+
+    def __init__(self, half_life_s: float = 60.0) -> None:
+        self.half_life_s = half_life_s
+
+    def key(self, block: Block) -> tuple[float, ...]:
+        score = math.log2(max(block.freq, 1e-9)) + block.last_access / self.half_life_s
+        return (score, -block.depth, block.block_id)
+
+    def on_hit(self, block: Block, now: float) -> None:
+        decay = 2.0 ** (-(now - block.last_access) / self.half_life_s) if block.freq else 0.0
+        block.freq = block.freq * decay + 1.0
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    if name == "lru":
+        return LRU()
+    if name == "lfu":
+        return LFU()
+    raise ValueError(f"unknown eviction policy {name!r}: choose one of {', '.join(EVICTION_POLICIES)}")
+
+
+class Evictor:
+    """The set of CACHED blocks, ordered by an eviction policy."""
+
+    def __init__(self, policy: EvictionPolicy) -> None:
+        self.policy = policy
+        self._heap: list[tuple[tuple[float, ...], int, Block]] = []
+        self._live = 0
+
+    def __len__(self) -> int:
+        return self._live
+
+    def add(self, block: Block) -> None:
+        heapq.heappush(self._heap, (self.policy.key(block), block.evict_version, block))
+        self._live += 1
+
+    def remove(self, block: Block) -> None:
+        """Forget a block that left CACHED (a prefix hit); its heap entry goes stale."""
+        block.evict_version += 1
+        self._live -= 1
+        if len(self._heap) > 64 and len(self._heap) > 4 * self._live:
+            self._heap = [entry for entry in self._heap if self._is_live(entry)]
+            heapq.heapify(self._heap)
+
+    def pop(self) -> Block:
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            if self._is_live(entry):
+                block = entry[2]
+                block.evict_version += 1
+                self._live -= 1
+                return block
+        raise IndexError("no cached block to evict")
+
+    def blocks(self) -> list[Block]:
+        return [entry[2] for entry in self._heap if self._is_live(entry)]
+
+    def rebuild(self, policy: EvictionPolicy) -> None:
+        live = self.blocks()
+        self.policy = policy
+        self._heap = [(policy.key(b), b.evict_version, b) for b in live]
+        heapq.heapify(self._heap)
+
+    @staticmethod
+    def _is_live(entry: tuple[tuple[float, ...], int, Block]) -> bool:
+        _, version, block = entry
+        return block.state is BlockState.CACHED and block.evict_version == version

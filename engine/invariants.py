@@ -1,0 +1,72 @@
+"""The block manager's invariants, checked on demand (tests, `/admin/check`, debug builds)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from kvops.engine.block import BlockState
+from kvops.engine.block_manager import BlockManager
+
+
+class InvariantError(AssertionError):
+    pass
+
+
+def check_invariants(bm: BlockManager) -> None:
+    """Raise InvariantError naming the first broken invariant."""
+    problems: list[str] = []
+    refs: Counter[int] = Counter()
+    for seq in bm.seqs.values():
+        if len(set(seq.block_ids)) != len(seq.block_ids):
+            problems.append(f"sequence {seq.seq_id} holds a block twice: {seq.block_ids}")
+        refs.update(seq.block_ids)
+        for index, block_id in enumerate(seq.block_ids):
+            state = bm.blocks[block_id].state
+            expected = (BlockState.FULL,) if index < seq.num_full else (BlockState.FILLING, BlockState.FULL)
+            if state not in expected:
+                problems.append(f"block {block_id} of {seq.seq_id} at index {index} is {state.name}")
+
+    free = list(bm.free_queue)
+    free_set = set(free)
+    cached_live = {b.block_id for b in bm.evictor.blocks()}
+    pending = set(bm.pending_free)
+    if len(free) != len(free_set):
+        problems.append("a block is in the free queue twice")
+    if len(bm.pending_free) != len(pending):
+        problems.append("a block is pending reclaim twice")
+    if len(cached_live) != len(bm.evictor):
+        problems.append(f"evictor counts {len(bm.evictor)} blocks but holds {len(cached_live)}")
+
+    actual_counts: Counter[BlockState] = Counter()
+    for block in bm.blocks:
+        bid, state = block.block_id, block.state
+        actual_counts[state] += 1
+        if block.ref_count != refs[bid]:
+            problems.append(f"block {bid} has ref_count {block.ref_count} but {refs[bid]} sequences hold it")
+        if (bid in free_set) != (state is BlockState.FREE):
+            problems.append(f"block {bid} is {state.name} and {'' if bid in free_set else 'not '}in the free queue")
+        if (bid in cached_live) != (state is BlockState.CACHED):
+            problems.append(f"block {bid} is {state.name} and {'' if bid in cached_live else 'not '}evictable")
+        if (bid in pending) != (state is BlockState.PENDING_FREE):
+            problems.append(f"block {bid} is {state.name} and {'' if bid in pending else 'not '}pending reclaim")
+        if state in (BlockState.FREE, BlockState.CACHED, BlockState.PENDING_FREE) and block.ref_count:
+            problems.append(f"block {bid} is {state.name} with ref_count {block.ref_count}")
+        if state in (BlockState.FILLING, BlockState.FULL) and block.ref_count < 1:
+            problems.append(f"block {bid} is {state.name} with no reference")
+        if state is BlockState.FILLING and block.ref_count != 1:
+            problems.append(f"FILLING block {bid} is shared by {block.ref_count} sequences")
+        if state is BlockState.CACHED and (block.hash is None or bm.cached.get(block.hash) != bid):
+            problems.append(f"CACHED block {bid} is not in the prefix-cache map")
+        if state in (BlockState.FREE, BlockState.PENDING_FREE, BlockState.FILLING) and block.hash is not None:
+            problems.append(f"{state.name} block {bid} still has a hash")
+    for block_hash, bid in bm.cached.items():
+        block = bm.blocks[bid]
+        if block.hash != block_hash or block.state not in (BlockState.FULL, BlockState.CACHED):
+            problems.append(f"prefix-cache map entry points to block {bid} in state {block.state.name}")
+    counted = {s: c for s, c in bm.state_counts.items() if c}
+    if counted != {s: c for s, c in actual_counts.items() if c}:
+        problems.append(f"state counts {dict(bm.state_counts)} disagree with the blocks {dict(actual_counts)}")
+    if sum(actual_counts.values()) != bm.num_blocks:
+        problems.append("free + in use + cached + pending does not add up to the pool")
+    if problems:
+        raise InvariantError("; ".join(problems[:10]))

@@ -1,0 +1,141 @@
+"""The Llama-family forward pass (Llama, Mistral, Qwen2, SmolLM) over the paged KV cache.
+
+Tokens of all scheduled sequences are flattened into one batch; K/V are read and written only
+through `kvops.kernels` (slot mapping for writes, block tables for reads).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvops import kernels
+from kvops.engine.errors import ConfigError
+from kvops.kernels import AttentionMetadata
+
+
+def _rope_inv_freq(config: Any) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling, honouring the config's rope parameters."""
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return inv_freq, 1.0
+    if rope_type == "dynamic":
+        raise ConfigError("rope_type 'dynamic' (NTK scaling that changes with length) is not supported")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ConfigError(f"rope_type {rope_type!r} is not supported: use one of {sorted(ROPE_INIT_FUNCTIONS)}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Layer:
+    __slots__ = ("down", "gate", "input_norm", "k", "k_bias", "o", "post_norm", "q", "q_bias", "up", "v", "v_bias")
+
+
+class LlamaModel:
+    """Weights as plain tensors and one `forward` that reads and writes the paged cache."""
+
+    def __init__(self, config: Any, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
+                 max_positions: int) -> None:
+        sliding = getattr(config, "sliding_window", None)
+        if sliding and getattr(config, "use_sliding_window", True) and sliding < max_positions:
+            raise ConfigError(
+                f"this model uses sliding-window attention ({sliding} tokens), which the engine does not "
+                f"implement: run it with --max-model-len {sliding} or less"
+            )
+        self.dtype = dtype
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.eps = config.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act {config.hidden_act!r} is not supported (Llama-family models use silu)")
+
+        def w(name: str) -> torch.Tensor:
+            try:
+                return state_dict[name].to(dtype).contiguous()
+            except KeyError:
+                raise ConfigError(f"weight {name!r} is missing from the checkpoint") from None
+
+        def opt(name: str) -> torch.Tensor | None:
+            return state_dict[name].to(dtype).contiguous() if name in state_dict else None
+
+        self.embed = w("model.embed_tokens.weight")
+        self.norm = w("model.norm.weight")
+        tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in state_dict
+        self.lm_head = self.embed if tied else w("lm_head.weight")
+        self.layers: list[Layer] = []
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            layer = Layer()
+            layer.input_norm = w(p + "input_layernorm.weight")
+            layer.post_norm = w(p + "post_attention_layernorm.weight")
+            layer.q, layer.q_bias = w(p + "self_attn.q_proj.weight"), opt(p + "self_attn.q_proj.bias")
+            layer.k, layer.k_bias = w(p + "self_attn.k_proj.weight"), opt(p + "self_attn.k_proj.bias")
+            layer.v, layer.v_bias = w(p + "self_attn.v_proj.weight"), opt(p + "self_attn.v_proj.bias")
+            layer.o = w(p + "self_attn.o_proj.weight")
+            layer.gate = w(p + "mlp.gate_proj.weight")
+            layer.up = w(p + "mlp.up_proj.weight")
+            layer.down = w(p + "mlp.down_proj.weight")
+            self.layers.append(layer)
+
+        inv_freq, scaling = _rope_inv_freq(config)
+        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * scaling).to(dtype)
+        self.sin = (emb.sin() * scaling).to(dtype)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * h.to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run the flat batch; return float32 logits for the tokens at `logits_indices`."""
+        tokens = input_ids.shape[0]
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        num_decode = meta.num_decode_tokens
+        x = F.embedding(input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer.input_norm)
+            q = F.linear(h, layer.q, layer.q_bias).view(tokens, self.num_heads, self.head_dim)
+            k = F.linear(h, layer.k, layer.k_bias).view(tokens, self.num_kv_heads, self.head_dim)
+            v = F.linear(h, layer.v, layer.v_bias).view(tokens, self.num_kv_heads, self.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            parts = []
+            if num_decode:
+                parts.append(kernels.paged_decode_attention(q[:num_decode], k_cache, v_cache, meta, self.scale))
+            if meta.prefills:
+                parts.append(kernels.paged_prefill_attention(q[num_decode:], k_cache, v_cache, meta, self.scale))
+            attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+            x = x + F.linear(attn.reshape(tokens, -1), layer.o)
+            h = self._rms_norm(x, layer.post_norm)
+            x = x + F.linear(F.silu(F.linear(h, layer.gate)) * F.linear(h, layer.up), layer.down)
+        x = self._rms_norm(x[logits_indices], self.norm)
+        return F.linear(x, self.lm_head).float()

@@ -1,0 +1,94 @@
+"""What the engine counts while it runs: the raw material of the snapshot."""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from kvops.snapshot import Histogram, PrefixCacheStats, StepSample
+
+PROMPT_LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def percentile(sorted_values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile of an already sorted list (None when empty)."""
+    if not sorted_values:
+        return None
+    rank = max(1, -(-len(sorted_values) * q // 100))
+    return sorted_values[int(rank) - 1]
+
+
+@dataclass
+class TenantCounters:
+    requests_total: int = 0
+    prompt_tokens_total: int = 0
+    hit_tokens_total: int = 0
+
+
+class EngineStats:
+    def __init__(self, window_s: float = 60.0, max_steps: int = 512, max_prompt_samples: int = 2048) -> None:
+        self.window_s = window_s
+        self.prefix_queries_total = 0
+        self.prefix_hits_total = 0
+        self._prefix_window: deque[tuple[float, int, int]] = deque()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.finished_total = 0
+        self.aborted_total = 0
+        self.prompt_bucket_counts = [0] * (len(PROMPT_LENGTH_BUCKETS) + 1)  # the last counts lengths above every bound
+        self.prompt_length_sum = 0
+        self.prompt_length_count = 0
+        self._recent_prompt_lengths: deque[int] = deque(maxlen=max_prompt_samples)
+        self.steps: deque[StepSample] = deque(maxlen=max_steps)
+        self.tenants: dict[str, TenantCounters] = {}
+
+    def on_admit(self, tenant: str, prompt_len: int, hit_tokens: int) -> None:
+        """A request's first admission: count its prefix-cache lookup and its prompt length."""
+        now = time.monotonic()
+        self.prefix_queries_total += prompt_len
+        self.prefix_hits_total += hit_tokens
+        self._prefix_window.append((now, prompt_len, hit_tokens))
+        self.prompt_tokens_total += prompt_len
+        counters = self.tenants.setdefault(tenant, TenantCounters())
+        counters.requests_total += 1
+        counters.prompt_tokens_total += prompt_len
+        counters.hit_tokens_total += hit_tokens
+        self.prompt_bucket_counts[bisect.bisect_left(PROMPT_LENGTH_BUCKETS, prompt_len)] += 1
+        self.prompt_length_sum += prompt_len
+        self.prompt_length_count += 1
+        self._recent_prompt_lengths.append(prompt_len)
+
+    def on_step(self, sample: StepSample, generated_tokens: int) -> None:
+        self.steps.append(sample)
+        self.generation_tokens_total += generated_tokens
+
+    def prefix_cache(self, evictions_total: int) -> PrefixCacheStats:
+        cutoff = time.monotonic() - self.window_s
+        while self._prefix_window and self._prefix_window[0][0] < cutoff:
+            self._prefix_window.popleft()
+        window_queries = sum(q for _, q, _ in self._prefix_window)
+        window_hits = sum(h for _, _, h in self._prefix_window)
+        return PrefixCacheStats(
+            queries_total=self.prefix_queries_total,
+            hits_total=self.prefix_hits_total,
+            hit_rate=self.prefix_hits_total / self.prefix_queries_total if self.prefix_queries_total else 0.0,
+            window_s=self.window_s,
+            window_queries=window_queries,
+            window_hits=window_hits,
+            window_hit_rate=window_hits / window_queries if window_queries else 0.0,
+            evictions_total=evictions_total,
+        )
+
+    def prompt_lengths(self) -> Histogram:
+        recent = sorted(self._recent_prompt_lengths)
+        return Histogram(
+            buckets=list(PROMPT_LENGTH_BUCKETS),
+            counts=list(self.prompt_bucket_counts),
+            sum=float(self.prompt_length_sum),
+            count=self.prompt_length_count,
+            p50=percentile(recent, 50),
+            p95=percentile(recent, 95),
+            p99=percentile(recent, 99),
+        )

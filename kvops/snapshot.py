@@ -1,0 +1,146 @@
+"""The snapshot: one versioned schema for everything an engine reports.
+
+Defined once here and used by the engine (`/stats`), the supervisor, `kvops top` and
+`kvops doctor`. Bump SCHEMA_VERSION on any incompatible change.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import BaseModel, Field
+
+SCHEMA_VERSION = 1
+
+# One character per block state in the compact block map (see `encode_block_map`).
+BLOCK_STATE_CODES = {
+    "free": ".",
+    "filling": "f",
+    "full": "F",
+    "cached": "c",
+    "pending_free": "p",
+    "swapped": "s",
+}
+
+
+def encode_block_map(codes: str) -> str:
+    """Run-length encode a per-block state string: '....FFc' -> '4.2F1c'. 100k blocks in a few KB."""
+    return "".join(f"{len(m.group(0))}{m.group(1)}" for m in re.finditer(r"(.)\1*", codes))
+
+
+def decode_block_map(encoded: str) -> str:
+    return "".join(char * int(count) for count, char in re.findall(r"(\d+)(\D)", encoded))
+
+
+class EngineInfo(BaseModel):
+    model: str
+    engine_version: str
+    pid: int
+    started_at: float  # unix seconds
+    device: str
+    dtype: str
+    kv_cache_dtype: str
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_cache_bytes: int
+    bytes_per_token: int
+    enable_prefix_caching: bool
+    eviction_policy: str
+
+
+class BlockStats(BaseModel):
+    counts: dict[str, int]  # state name -> blocks; the states of BLOCK_STATE_CODES
+    usage: float  # fraction of blocks holding live sequences' K/V (filling + full)
+    state_map: str  # encode_block_map of one code per block, block id order
+    allocated_slots: int  # slots in blocks held by live sequences
+    used_slots: int  # of those, slots holding a computed token
+
+
+class PrefixCacheStats(BaseModel):
+    queries_total: int  # prompt tokens looked up (first admission only)
+    hits_total: int  # of those, tokens served from cache
+    hit_rate: float
+    window_s: float
+    window_queries: int
+    window_hits: int
+    window_hit_rate: float
+    evictions_total: int
+
+
+class RequestStats(BaseModel):
+    running: int
+    waiting: int
+    finished_total: int
+    aborted_total: int
+    preemptions_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+class Histogram(BaseModel):
+    buckets: list[float]  # upper bounds (inclusive), ascending
+    counts: list[int]  # per bucket, not cumulative; one more than buckets: the last is above every bound
+    sum: float
+    count: int
+    p50: float | None
+    p95: float | None
+    p99: float | None
+
+
+class StepSample(BaseModel):
+    t: float  # unix seconds at the end of the step
+    duration_s: float
+    num_seqs: int
+    num_tokens: int
+    decode_only: bool
+    max_context_len: int
+
+
+class SwapStats(BaseModel):
+    swapped_blocks: int = 0
+    swap_out_total: int = 0
+    swap_in_total: int = 0
+
+
+class TenantStats(BaseModel):
+    requests_total: int = 0
+    prompt_tokens_total: int = 0
+    hit_tokens_total: int = 0
+    hit_rate: float = 0.0
+    blocks_held: int = 0
+    evictions_caused: int = 0
+    evictions_suffered: int = 0
+
+
+class GpuStats(BaseModel):
+    index: int
+    name: str
+    memory_used_bytes: int
+    memory_total_bytes: int
+    utilization_percent: float
+
+
+class ProcessStats(BaseModel):
+    cpu_percent: float
+    rss_bytes: int
+    num_threads: int
+    gpus: list[GpuStats] = Field(default_factory=list)
+    gpu_status: str  # "ok", or why there is no GPU data ("no GPU", "NVML unavailable: ...")
+
+
+class Snapshot(BaseModel):
+    schema_version: int = SCHEMA_VERSION
+    time: float  # unix seconds
+    uptime_s: float
+    engine: EngineInfo
+    blocks: BlockStats
+    prefix_cache: PrefixCacheStats
+    requests: RequestStats
+    prompt_lengths: Histogram
+    steps: list[StepSample]  # recent engine steps, oldest first (decode latency series)
+    swap: SwapStats
+    tenants: dict[str, TenantStats]
+    process: ProcessStats
