@@ -12,8 +12,6 @@ from typing import Any
 
 import structlog
 import torch
-
-from kvops import __version__
 from kvops.engine.block import BlockState
 from kvops.engine.block_manager import DEFAULT_TENANT, BlockManager
 from kvops.engine.capacity import Capacity, kv_bytes_per_token, plan_capacity
@@ -22,11 +20,13 @@ from kvops.engine.errors import ConfigError, InvalidRequestError
 from kvops.engine.model import LlamaModel
 from kvops.engine.process_stats import read_process_stats
 from kvops.engine.sampling import SamplingParams, sample
-from kvops.engine.scheduler import Scheduler, ScheduledSeq
-from kvops.engine.sequence import FinishReason, Sequence, SequenceStatus
+from kvops.engine.scheduler import ScheduledSeq, Scheduler
+from kvops.engine.sequence import FinishReason, Sequence
 from kvops.engine.stats import EngineStats
 from kvops.engine.weights import load_model
 from kvops.kernels import AttentionMetadata, PrefillSpan
+
+from kvops import __version__
 from kvops.snapshot import (
     BlockStats,
     EngineInfo,

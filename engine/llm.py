@@ -14,7 +14,7 @@ class LLM:
         self.engine = LLMEngine(config or EngineConfig(**overrides))  # type: ignore[arg-type]
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
+    def tokenizer(self):
         return self.engine.tokenizer
 
     def generate(

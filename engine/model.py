@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from kvops import kernels
 from kvops.engine.errors import ConfigError
 from kvops.kernels import AttentionMetadata
+
+from kvops import kernels
 
 
 def _rope_inv_freq(config: Any) -> tuple[torch.Tensor, float]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
 from kvops.engine.errors import InvalidRequestError
 
 

@@ -18,7 +18,6 @@ from typing import Any
 
 import structlog
 import torch
-
 from kvops.engine.errors import ConfigError
 
 log = structlog.get_logger("kvops.engine.weights")

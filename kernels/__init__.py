@@ -5,7 +5,12 @@ torch reference in `reference.py`; GPU kernels plug in behind the same signature
 """
 
 from kvops.kernels.attention_metadata import AttentionMetadata, PrefillSpan
-from kvops.kernels.reference import copy_blocks, paged_decode_attention, paged_prefill_attention, write_kv_cache
+from kvops.kernels.reference import (
+    copy_blocks,
+    paged_decode_attention,
+    paged_prefill_attention,
+    write_kv_cache,
+)
 
 __all__ = [
     "AttentionMetadata",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from kvops.kernels.attention_metadata import AttentionMetadata
 
 

@@ -1,0 +1,99 @@
+"""The `kvops` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from kvops import __version__
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from kvops.engine.args import engine_config_from_args
+    from kvops.engine.llm import LLM
+    from kvops.engine.sampling import SamplingParams
+
+    llm = LLM(engine_config_from_args(args))
+    engine = llm.engine
+    prompts = [p if args.raw else engine.encode_chat([{"role": "user", "content": p}]) for p in args.prompts]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed_request, stop=args.stop or [])
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, tenants=[args.tenant] * len(prompts))
+    elapsed = time.perf_counter() - started
+    for prompt, out in zip(args.prompts, outputs, strict=True):
+        print(f"> {prompt}")
+        print(out.text.strip())
+        print(f"  [{len(out.token_ids)} tokens, finish: {out.finish_reason}, "
+              f"prompt {len(out.prompt_token_ids)} tokens of which {out.num_cached_tokens} from the prefix cache]")
+        print()
+    snap = engine.snapshot(include_gpu=False)
+    generated = sum(len(o.token_ids) for o in outputs)
+    counts = ", ".join(f"{name} {count}" for name, count in snap.blocks.counts.items() if count)
+    print(f"{engine.capacity.describe()}")
+    print(f"blocks now: {counts}; prefix hit rate {snap.prefix_cache.hit_rate:.1%} "
+          f"({snap.prefix_cache.hits_total}/{snap.prefix_cache.queries_total} tokens); "
+          f"{generated} tokens in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s)")
+    if args.stats:
+        print(snap.model_dump_json(indent=2))
+    return 0
+
+
+def _bench(argv: list[str]) -> int:
+    from kvops import bench
+
+    return bench.main(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvops.engine.args import add_engine_args
+
+    parser = argparse.ArgumentParser(prog="kvops", description="Watch, diagnose and fix paged KV caches.")
+    parser.add_argument("--version", action="version", version=f"kvops {__version__}")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    engine = commands.add_parser("engine", help="run the paged-KV engine")
+    engine_commands = engine.add_subparsers(dest="engine_command", required=True, metavar="ENGINE_COMMAND")
+    generate = engine_commands.add_parser("generate", help="complete prompts offline and show the cache state")
+    generate.add_argument("prompts", nargs="+", help="prompts, batched together")
+    generate.add_argument("--raw", action="store_true", help="send prompts as they are, without the chat template")
+    generate.add_argument("--max-tokens", type=int, default=128)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--seed-request", type=int, default=None, help="per-request sampling seed")
+    generate.add_argument("--stop", action="append", help="stop string (repeatable)")
+    generate.add_argument("--tenant", default="default")
+    generate.add_argument("--stats", action="store_true", help="print the full snapshot as JSON at the end")
+    add_engine_args(generate)
+    generate.set_defaults(handler=_generate)
+
+    commands.add_parser("bench", help="benchmark the engine against transformers (see `kvops bench --help`)",
+                        add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+
+    from kvops.engine.errors import EngineError
+    from kvops.logs import configure_logging
+
+    configure_logging(args.log_level)
+    try:
+        return args.handler(args)
+    except EngineError as exc:
+        print(f"kvops: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
