@@ -138,7 +138,6 @@ class BlockManager:
             if block.state is BlockState.CACHED:
                 self._set_state(block, BlockState.FULL)
             block.ref_count += 1
-            block.last_access = now
             self.evictor.policy.on_hit(block, now)
             block.depth = depth
             seq.block_ids.append(block_id)
@@ -297,7 +296,7 @@ class BlockManager:
                 self._set_state(block, BlockState.PENDING_FREE)
                 self.pending_free.append(block_id)
             elif block.hash is not None and block.state is BlockState.FULL:
-                block.last_access = now
+                self.evictor.policy.touch(block, now)
                 self._set_state(block, BlockState.CACHED)
                 self.evictor.add(block)
             else:

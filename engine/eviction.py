@@ -20,7 +20,13 @@ class EvictionPolicy(Protocol):
 
     def key(self, block: Block) -> tuple[float, ...]: ...
 
-    def on_hit(self, block: Block, now: float) -> None: ...
+    def touch(self, block: Block, now: float) -> None:
+        """The block was used (released by its last holder): move its access time to `now`."""
+        ...
+
+    def on_hit(self, block: Block, now: float) -> None:
+        """A prefix-cache hit on the block at `now`."""
+        ...
 
 
 class LRU:
@@ -31,7 +37,11 @@ class LRU:
     def key(self, block: Block) -> tuple[float, ...]:
         return (block.last_access, -block.depth, block.block_id)
 
+    def touch(self, block: Block, now: float) -> None:
+        block.last_access = now
+
     def on_hit(self, block: Block, now: float) -> None:
+        block.last_access = now
         block.freq += 1.0
 
 
@@ -51,9 +61,14 @@ class LFU:
         score = math.log2(max(block.freq, 1e-9)) + block.last_access / self.half_life_s
         return (score, -block.depth, block.block_id)
 
+    def touch(self, block: Block, now: float) -> None:
+        """Decay the frequency to `now` before moving the access time, so no hit is counted at full weight twice."""
+        block.freq *= 2.0 ** (-(now - block.last_access) / self.half_life_s)
+        block.last_access = now
+
     def on_hit(self, block: Block, now: float) -> None:
-        decay = 2.0 ** (-(now - block.last_access) / self.half_life_s) if block.freq else 0.0
-        block.freq = block.freq * decay + 1.0
+        self.touch(block, now)
+        block.freq += 1.0
 
 
 def make_policy(name: str) -> EvictionPolicy:

@@ -41,7 +41,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Layer:
-    __slots__ = ("down", "gate", "input_norm", "k", "k_bias", "o", "post_norm", "q", "q_bias", "up", "v", "v_bias")
+    """One decoder layer's weights; q/k/v and gate/up are fused so each is one matmul."""
+
+    __slots__ = ("down", "gate_up", "input_norm", "o", "post_norm", "qkv", "qkv_bias")
 
 
 class LlamaModel:
@@ -62,6 +64,9 @@ class LlamaModel:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim**-0.5
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.intermediate_size = config.intermediate_size
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {config.hidden_act!r} is not supported (Llama-family models use silu)")
 
@@ -84,12 +89,12 @@ class LlamaModel:
             layer = Layer()
             layer.input_norm = w(p + "input_layernorm.weight")
             layer.post_norm = w(p + "post_attention_layernorm.weight")
-            layer.q, layer.q_bias = w(p + "self_attn.q_proj.weight"), opt(p + "self_attn.q_proj.bias")
-            layer.k, layer.k_bias = w(p + "self_attn.k_proj.weight"), opt(p + "self_attn.k_proj.bias")
-            layer.v, layer.v_bias = w(p + "self_attn.v_proj.weight"), opt(p + "self_attn.v_proj.bias")
+            projections = [p + f"self_attn.{name}_proj." for name in "qkv"]
+            layer.qkv = torch.cat([w(name + "weight") for name in projections])
+            biases = [opt(name + "bias") for name in projections]
+            layer.qkv_bias = torch.cat(biases) if all(b is not None for b in biases) else None  # type: ignore[misc]
             layer.o = w(p + "self_attn.o_proj.weight")
-            layer.gate = w(p + "mlp.gate_proj.weight")
-            layer.up = w(p + "mlp.up_proj.weight")
+            layer.gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
             layer.down = w(p + "mlp.down_proj.weight")
             self.layers.append(layer)
 
@@ -121,9 +126,11 @@ class LlamaModel:
         x = F.embedding(input_ids, self.embed)
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)
-            q = F.linear(h, layer.q, layer.q_bias).view(tokens, self.num_heads, self.head_dim)
-            k = F.linear(h, layer.k, layer.k_bias).view(tokens, self.num_kv_heads, self.head_dim)
-            v = F.linear(h, layer.v, layer.v_bias).view(tokens, self.num_kv_heads, self.head_dim)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+            q = q.view(tokens, self.num_heads, self.head_dim)
+            k = k.view(tokens, self.num_kv_heads, self.head_dim)
+            v = v.view(tokens, self.num_kv_heads, self.head_dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
@@ -136,6 +143,7 @@ class LlamaModel:
             attn = parts[0] if len(parts) == 1 else torch.cat(parts)
             x = x + F.linear(attn.reshape(tokens, -1), layer.o)
             h = self._rms_norm(x, layer.post_norm)
-            x = x + F.linear(F.silu(F.linear(h, layer.gate)) * F.linear(h, layer.up), layer.down)
+            gate, up = F.linear(h, layer.gate_up).split(self.intermediate_size, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
         x = self._rms_norm(x[logits_indices], self.norm)
         return F.linear(x, self.lm_head).float()

@@ -14,11 +14,11 @@ def _generate(args: argparse.Namespace) -> int:
     from kvops.engine.llm import LLM
     from kvops.engine.sampling import SamplingParams
 
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed_request, stop=args.stop or [])
     llm = LLM(engine_config_from_args(args))
     engine = llm.engine
     prompts = [p if args.raw else engine.encode_chat([{"role": "user", "content": p}]) for p in args.prompts]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed_request, stop=args.stop or [])
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, tenants=[args.tenant] * len(prompts))
     elapsed = time.perf_counter() - started

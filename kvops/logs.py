@@ -19,6 +19,6 @@ def configure_logging(level: str = "info", json_logs: bool | None = None) -> Non
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=lambda *args: structlog.PrintLogger(sys.stderr),  # resolved late: stderr may be swapped
         cache_logger_on_first_use=False,
     )

@@ -9,7 +9,7 @@ from kvops.engine.llm import LLM
 
 from kvops.logs import configure_logging
 
-configure_logging("warning", json_logs=False)
+configure_logging("info", json_logs=False)
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-
 from kvops.engine.block import BlockState
 from kvops.engine.block_manager import BlockManager
 from kvops.engine.eviction import LFU
@@ -128,7 +127,7 @@ def test_prefix_hits_are_whole_blocks_and_never_the_last_token():
 
     def hit_count(query: Sequence[int]) -> int:
         hits, _ = bm.lookup(query, None)
-        assert hits == sorted(cached)[: len(hits)] or len(hits) <= 2
+        assert set(hits) <= set(cached)
         return len(hits)
 
     assert hit_count(tokens) == 2
@@ -140,7 +139,7 @@ def test_prefix_hits_are_whole_blocks_and_never_the_last_token():
     assert hit_count([]) == 0
     assert hit_count([*tokens[:7], 99, 8, 9]) == 1  # diverges inside block 1
     assert hit_count([99, *tokens[1:]]) == 0  # diverges inside block 0: nothing after it counts either
-    assert hit_count(tokens + [10, 11, 12]) == 2
+    assert hit_count([*tokens, 10, 11, 12]) == 2
 
 
 def test_lookup_returns_hashes_of_every_full_block():
@@ -163,7 +162,7 @@ def test_hit_blocks_are_reused_not_copied():
     bm, _ = make(8, 2)
     run(bm, "a", [1, 2, 3, 4, 5])
     first = sorted(bm.cached.values())
-    hits = start(bm, "b", [1, 2, 3, 4, 6, 7])
+    hits = start(bm, "b", [1, 2, 3, 4, 6, 7], compute=False)
     assert sorted(hits) == first
     assert bm.block_table("b")[:2] == hits
     assert states(bm, hits) == [FULL, FULL]
@@ -211,7 +210,7 @@ def test_chunked_prefill_caches_blocks_as_they_fill():
     assert bm.lookup(tokens, None)[0] == table[:1]
     bm.mark_computed("a", tokens, 7)
     assert states(bm, table) == [FULL, FULL, FULL, FILLING]
-    assert bm.lookup(tokens + [8], None)[0] == table[:3]
+    assert bm.lookup([*tokens, 8], None)[0] == table[:3]
     check_invariants(bm)
 
 
@@ -309,27 +308,6 @@ def test_blocks_held_and_owner_map_follow_tenants():
 # --------------------------------------------------------------------- eviction
 
 
-def test_lru_evicts_least_recently_used_first():
-    bm, clock = make(4, 2)
-    for t, (name, tok) in enumerate([("a", 1), ("b", 2), ("c", 3)], start=1):
-        clock.set(t)
-        run(bm, name, [tok, tok, 0])  # one cached block each (and a partial one, freed)
-    cached_a = bm.lookup([1, 1, 0], None)[0]
-    clock.set(4)
-    assert run(bm, "a2", [1, 1, 9]) == cached_a  # a's block is used again: now the newest
-    order = []
-    for _ in range(3):
-        before = {b.block_id for b in bm.evictor.blocks()}
-        assert bm.evict(1) == 1
-        (gone,) = before - {b.block_id for b in bm.evictor.blocks()}
-        order.append(gone)
-        check_invariants(bm)
-    expected = [bm.lookup([2, 2, 0], None)[0], bm.lookup([3, 3, 0], None)[0], cached_a]
-    # lookups after eviction find nothing, so compare via the saved order instead
-    assert expected == [[], [], []]
-    assert bm.evict(1) == 0
-
-
 def test_lru_eviction_order_via_allocation():
     bm, clock = make(3, 2)
     blocks = {}
@@ -392,11 +370,23 @@ def test_lru_tie_evicts_tail_of_longest_chain_first():
 def test_lru_tie_chain_tail_first_via_allocation():
     bm, _ = make(6, 1)
     run(bm, "long", [1, 2, 3, 4, 5])
-    run(bm, "short", [6])  # a chain of one: its only block is computed but never hashable-hit
+    run(bm, "short", [6])  # a chain of one block; the clock never moves, so all six tie on recency
     assert bm.state_map().count("c") == 6
     start(bm, "x", [9, 9])  # evicts two blocks
     # The long prefix lost its tail only: a query for it still hits its first three blocks.
     assert len(bm.lookup([1, 2, 3, 4, 5], None)[0]) == 3
+
+
+def test_lru_counts_a_block_as_used_until_its_sequence_finishes():
+    bm, clock = make(3, 2)
+    start(bm, "long", [1, 1])  # admitted at t=0, runs for a while
+    long_block = bm.block_table("long")[0]
+    clock.set(1)
+    run(bm, "short", [2, 2])  # comes and goes at t=1
+    short_block = bm.lookup([2, 2, 0], None)[0][0]
+    clock.set(5)
+    bm.free("long")  # finishes at t=5: its block was in use until then
+    assert evict_order(bm) == [short_block, long_block]
 
 
 @pytest.mark.parametrize(("policy", "survivor"), [("lfu", "popular"), ("lru", "recent")])
@@ -441,17 +431,47 @@ def test_lfu_recent_hits_weigh_more_than_old_ones(gap, evicted):
 
 def test_lfu_frequency_decays_with_half_life():
     policy = LFU(half_life_s=10.0)
-    bm, clock = make(2, 1, eviction_policy="lfu")
-    bm.evictor.rebuild(policy)
-    block = bm.blocks[0]
+    block = BlockManager(1, 1).blocks[0]
     block.freq, block.last_access = 4.0, 0.0
     policy.on_hit(block, 10.0)
     assert block.freq == pytest.approx(4.0 * 0.5 + 1.0)
-    # The ranking key does not move with time: a block hit earlier at equal decayed
-    # frequency ranks the same as it would if re-scored later.
-    block.last_access = 10.0
-    k1 = policy.key(block)
-    assert policy.key(block) == k1
+    # freq * 2**((t - now)/H) ranks like log2(freq) + t/H: half the frequency one half-life later ranks equal.
+    a, b = BlockManager(2, 1).blocks
+    a.freq, a.last_access = 4.0, 0.0
+    b.freq, b.last_access = 2.0, 10.0
+    assert policy.key(a)[0] == pytest.approx(policy.key(b)[0])
+
+
+def test_lfu_hit_after_one_half_life_halves_the_old_frequency():
+    bm, clock = make(2, 2, eviction_policy="lfu")
+    run(bm, "a", [1, 1])  # cached at t=0 with frequency 1
+    block = bm.lookup([1, 1, 0], None)[0][0]
+    assert bm.blocks[block].freq == 1.0
+    clock.set(60.0)  # one half-life later
+    start(bm, "b", [1, 1, 0])
+    assert bm.blocks[block].freq == pytest.approx(1.0 * 0.5 + 1.0)
+
+
+def test_lfu_old_hits_do_not_count_fully_after_a_late_hit():
+    """Eight hits ten half-lives ago plus one now must not outweigh four hits a few seconds ago."""
+    bm, clock = make(3, 2, eviction_policy="lfu")
+    old, new = [1, 1], [2, 2]
+    run(bm, "o", old)
+    for t in range(1, 9):
+        clock.set(t)
+        run(bm, f"o{t}", [*old, 0])
+    clock.set(590)
+    run(bm, "n", new)
+    for t in range(591, 595):
+        clock.set(t)
+        run(bm, f"n{t}", [*new, 0])
+    clock.set(600)
+    run(bm, "o-late", [*old, 0])  # one late hit on the old block
+    clock.set(601)
+    start(bm, "x", [3, 3, 3, 3])  # one free block, one eviction
+    assert bm.evictions_total == 1
+    assert bm.lookup([*new, 0], None)[0], "the block with four recent hits was evicted"
+    assert not bm.lookup([*old, 0], None)[0]
 
 
 def test_switching_eviction_policy_live_reorders_cached_blocks():
@@ -496,7 +516,7 @@ def test_evictor_heap_stays_bounded_under_repeated_hits():
     for i in range(300):
         clock.set(i)
         assert len(run(bm, f"s{i}", [1, 2, 3])) == 2
-        assert len(bm.evictor._heap) <= 4 * max(len(bm.evictor), 16) + 1
+        assert len(bm.evictor._heap) <= 70  # stale entries are compacted away
     check_invariants(bm)
 
 
@@ -725,7 +745,7 @@ def test_allocation_counts_hit_blocks_as_taken_from_the_cache():
 
 
 def test_append_slots_is_all_or_nothing():
-    bm, _ = make(3, 2)
+    bm, _ = make(4, 2)
     start(bm, "a", [1, 2, 3])
     start(bm, "b", [4])
     before = snapshot(bm)
@@ -735,6 +755,7 @@ def test_append_slots_is_all_or_nothing():
     assert snapshot(bm) == before
     assert bm.append_slots("a", 5)
     assert len(bm.block_table("a")) == 3
+    assert bm.state_map().count(".") == 0
     check_invariants(bm)
 
 

@@ -59,3 +59,13 @@ def test_bad_sizes_say_how_to_write_one(bad):
 def test_bad_engine_settings_are_named(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         LLM(EngineConfig(kv_cache_memory="64MiB", **kwargs))
+
+
+def test_start_logs_capacity_in_blocks_tokens_and_concurrency():
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        LLM(EngineConfig(kv_cache_memory="64MiB", max_model_len=1024))
+    [entry] = [e for e in logs if e["event"].startswith("KV cache:")]
+    assert entry["num_blocks"] == 91 and entry["tokens"] == 1456 and entry["bytes_per_token"] == 46080
+    assert entry["max_concurrency"] == round(91 / 64, 2)

