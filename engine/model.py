@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from kvops.engine.errors import ConfigError
+from kvops.engine.linear import select_linear
 from kvops.kernels import AttentionMetadata
 
 from kvops import kernels
@@ -58,6 +59,7 @@ class LlamaModel:
                 f"implement: run it with --max-model-len {sliding} or less"
             )
         self.dtype = dtype
+        self.linear_backend, self.linear = select_linear(torch.device("cpu"), dtype)
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -123,10 +125,11 @@ class LlamaModel:
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         num_decode = meta.num_decode_tokens
+        linear = self.linear
         x = F.embedding(input_ids, self.embed)
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = linear(h, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
             q = q.view(tokens, self.num_heads, self.head_dim)
             k = k.view(tokens, self.num_kv_heads, self.head_dim)
@@ -141,9 +144,9 @@ class LlamaModel:
             if meta.prefills:
                 parts.append(kernels.paged_prefill_attention(q[num_decode:], k_cache, v_cache, meta, self.scale))
             attn = parts[0] if len(parts) == 1 else torch.cat(parts)
-            x = x + F.linear(attn.reshape(tokens, -1), layer.o)
+            x = x + linear(attn.reshape(tokens, -1), layer.o, None)
             h = self._rms_norm(x, layer.post_norm)
-            gate, up = F.linear(h, layer.gate_up).split(self.intermediate_size, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = linear(h, layer.gate_up, None).split(self.intermediate_size, dim=-1)
+            x = x + linear(F.silu(gate) * up, layer.down, None)
         x = self._rms_norm(x[logits_indices], self.norm)
-        return F.linear(x, self.lm_head).float()
+        return linear(x, self.lm_head, None).float()
