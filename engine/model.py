@@ -130,19 +130,18 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)
             qkv = linear(h, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-            q = q.view(tokens, self.num_heads, self.head_dim)
-            k = k.view(tokens, self.num_kv_heads, self.head_dim)
-            v = v.view(tokens, self.num_kv_heads, self.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            # RoPE on q and k heads in one go: they are adjacent in the fused projection.
+            qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = qk * cos + _rotate_half(qk) * sin
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+            layer_cache = kv_cache[i]
+            kernels.write_kv_cache(k, v, layer_cache, meta.slot_mapping)
             parts = []
             if num_decode:
-                parts.append(kernels.paged_decode_attention(q[:num_decode], k_cache, v_cache, meta, self.scale))
+                parts.append(kernels.paged_decode_attention(q[:num_decode], layer_cache, meta, self.scale))
             if meta.prefills:
-                parts.append(kernels.paged_prefill_attention(q[num_decode:], k_cache, v_cache, meta, self.scale))
+                parts.append(kernels.paged_prefill_attention(q[num_decode:], layer_cache, meta, self.scale))
             attn = parts[0] if len(parts) == 1 else torch.cat(parts)
             x = x + linear(attn.reshape(tokens, -1), layer.o, None)
             h = self._rms_norm(x, layer.post_norm)

@@ -7,12 +7,15 @@ import torch.nn.functional as F
 from kvops.kernels.attention_metadata import AttentionMetadata
 
 
-def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Scatter new K/V [tokens, kv_heads, head_dim] into caches [blocks, block_size, kv_heads, head_dim]."""
-    k_flat = k_cache.view(-1, *k_cache.shape[2:])
-    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+def _flat(kv_cache: torch.Tensor) -> torch.Tensor:
+    """[2, blocks, block_size, kv_heads, head_dim] -> [2, slots, kv_heads, head_dim] (a view)."""
+    return kv_cache.view(2, -1, *kv_cache.shape[3:])
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter new K/V [tokens, kv_heads, head_dim] into one layer's cache
+    [2 (K, V), blocks, block_size, kv_heads, head_dim] at `slot_mapping`; negative slots are skipped."""
+    k_flat, v_flat = _flat(kv_cache)
     if bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
@@ -41,24 +44,21 @@ def _decode_gather(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def paged_decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """q [num_decodes, heads, head_dim] attends over each sequence's whole context in the paged cache."""
     slots, mask = _decode_gather(meta)
-    k_flat = k_cache.view(-1, *k_cache.shape[2:])
-    v_flat = v_cache.view(-1, *v_cache.shape[2:])
-    k = k_flat[slots].transpose(1, 2).to(q.dtype)  # [n, kv_heads, ctx, d]
-    v = v_flat[slots].transpose(1, 2).to(q.dtype)
+    kv = _flat(kv_cache)[:, slots].to(q.dtype)  # one gather for K and V: [2, n, ctx, kv_heads, d]
+    k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [n, kv_heads, ctx, d]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(2)
 
 
 def paged_prefill_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """q [prefill_tokens, heads, head_dim] of each span attends causally over its cached prefix and itself."""
-    k_flat = k_cache.view(-1, *k_cache.shape[2:])
-    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    k_flat, v_flat = _flat(kv_cache)
     outputs = []
     offset = meta.num_decode_tokens
     for span in meta.prefills:
@@ -78,11 +78,10 @@ def paged_prefill_attention(
     return torch.cat(outputs) if outputs else q[:0]
 
 
-def copy_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
-    """Copy whole blocks (source, destination) within one layer's caches (fork's copy-on-write)."""
+def copy_blocks(kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """Copy whole blocks (source, destination) within one layer's cache (fork's copy-on-write)."""
     if not pairs:
         return
     src = torch.tensor([s for s, _ in pairs])
     dst = torch.tensor([d for _, d in pairs])
-    k_cache[dst] = k_cache[src]
-    v_cache[dst] = v_cache[src]
+    kv_cache[:, dst] = kv_cache[:, src]
