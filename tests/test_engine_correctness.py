@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from kvops.engine.config import EngineConfig
+from kvops.engine.invariants import check_invariants
 from kvops.engine.llm import LLM
 from kvops.engine.sampling import SamplingParams
 
@@ -23,6 +24,7 @@ def test_batched_greedy_matches_transformers(block_size, prefix_caching, chat_pr
                            kv_cache_memory="128MiB", max_model_len=1024))
     outputs = llm.generate(chat_prompts, GREEDY)
     assert _mismatches([o.token_ids for o in outputs], hf_greedy) == []
+    check_invariants(llm.engine.block_manager)
     assert sum(len(o) for o in hf_greedy) > 16 * 40  # the comparison covers real continuations, not just EOS
 
 
@@ -67,6 +69,7 @@ def test_preemption_with_recompute_keeps_outputs_exact(chat_prompts, hf_greedy):
     # recomputed tokens are not prefix hits: hits only count first admissions
     assert snap.prefix_cache.queries_total == sum(len(p) for p in chat_prompts)
     assert snap.blocks.counts["filling"] == snap.blocks.counts["full"] == 0
+    check_invariants(llm.engine.block_manager)
 
 
 def test_chunked_prefill_keeps_outputs_exact(chat_prompts, hf_greedy):
