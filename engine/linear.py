@@ -2,8 +2,9 @@
 
 On x86 CPUs PyTorch's default fp32 `F.linear` goes through MKL, which on AMD processors runs
 well below oneDNN: measured here (AMD EPYC, 2 cores, weights streamed from DRAM) oneDNN's
-linear is 1.6–1.9× faster at 1–16 rows (2.2–2.5× with the operands swapped, see below). The engine uses oneDNN where PyTorch has it and the
-self-check agrees with `F.linear`; `KVOPS_LINEAR=torch` forces the plain path.
+linear is 1.6–1.9× faster at 1–16 rows, and more with the operands swapped (see
+`_onednn_linear`). The engine uses oneDNN where PyTorch has it and the self-check agrees with
+`F.linear`; `KVOPS_LINEAR=torch` forces the plain path.
 """
 
 from __future__ import annotations
