@@ -27,6 +27,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="reuse cached K/V of shared prompt prefixes (default: on)")
     g.add_argument("--eviction-policy", choices=("lru", "lfu"), default="lru",
                    help="which cached blocks go first when blocks run out (default: %(default)s)")
+    g.add_argument("--normalize-prompts", choices=("off", "shadow", "on"), default="off",
+                   help="canonicalize whitespace before tokenization; shadow = only count the hit rate it would "
+                        "give (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="global sampling seed (default: %(default)s)")
 
 
@@ -41,5 +44,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
         eviction_policy=args.eviction_policy,
+        normalize_prompts=args.normalize_prompts,
         seed=args.seed,
     )

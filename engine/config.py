@@ -43,6 +43,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     eviction_policy: str = "lru"
+    normalize_prompts: str = "off"  # off | shadow | on
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -59,5 +60,7 @@ class EngineConfig:
             raise ConfigError(f"--kv-cache-memory must be positive (got {self.kv_cache_memory})")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.normalize_prompts not in ("off", "shadow", "on"):
+            raise ConfigError(f"--normalize-prompts {self.normalize_prompts!r} is not one of off, shadow, on")
         if self.eviction_policy not in ("lru", "lfu"):
             raise ConfigError(f"--eviction-policy {self.eviction_policy!r} is not one of lru, lfu")

@@ -12,21 +12,23 @@ from typing import Any
 
 import structlog
 import torch
+
+from kvops import __version__
 from kvops.engine.block import BlockState
 from kvops.engine.block_manager import DEFAULT_TENANT, BlockManager
 from kvops.engine.capacity import Capacity, kv_bytes_per_token, plan_capacity
 from kvops.engine.config import EngineConfig
 from kvops.engine.errors import ConfigError, InvalidRequestError
 from kvops.engine.model import LlamaModel
+from kvops.engine.normalize import NormalizationMode, normalize_messages, normalize_prompt
 from kvops.engine.process_stats import read_process_stats
 from kvops.engine.sampling import SamplingParams, sample
 from kvops.engine.scheduler import ScheduledSeq, Scheduler
 from kvops.engine.sequence import FinishReason, Sequence
+from kvops.engine.shadow_cache import ShadowPrefixCache
 from kvops.engine.stats import EngineStats
 from kvops.engine.weights import load_model
 from kvops.kernels import AttentionMetadata, PrefillSpan
-
-from kvops import __version__
 from kvops.snapshot import (
     BlockStats,
     EngineInfo,
@@ -95,6 +97,9 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             on_admit=lambda seq, hits: self.stats.on_admit(seq.tenant, seq.prompt_len, hits),
         )
+        self.normalization = NormalizationMode(config.normalize_prompts)
+        self.shadow = ShadowPrefixCache(self.capacity.num_blocks, config.block_size)
+        self.tenant_salts: dict[str, str] = {}  # tenants sharing a cache salt share prefix blocks
         self.eos_token_ids = self._eos_token_ids(hf)
         self.sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -121,6 +126,43 @@ class LLMEngine:
 
     # ------------------------------------------------------------- requests
 
+    def salt_for(self, tenant: str) -> str:
+        return self.tenant_salts.get(tenant, tenant)
+
+    def prepare_prompt(self, prompt: str | Seq[int], tenant: str) -> str | Seq[int]:
+        """Apply prompt normalization (on), or count what it would give (shadow), to a text prompt."""
+        if not isinstance(prompt, str) or self.normalization is NormalizationMode.OFF:
+            return prompt
+        normalized = normalize_prompt(prompt)
+        if self.normalization is NormalizationMode.ON:
+            return normalized
+        self.shadow.observe(self.tokenizer(normalized).input_ids, self.salt_for(tenant))
+        return prompt
+
+    def prepare_chat(self, messages: list[dict[str, str]], tenant: str) -> list[int]:
+        """Chat messages to prompt token ids, with prompt normalization applied as configured."""
+        if self.normalization is NormalizationMode.ON:
+            return self.encode_chat(normalize_messages(messages))
+        if self.normalization is NormalizationMode.SHADOW:
+            self.shadow.observe(self.encode_chat(normalize_messages(messages)), self.salt_for(tenant))
+        return self.encode_chat(messages)
+
+    def set_normalization(self, mode: str) -> None:
+        self.normalization = NormalizationMode(mode)
+
+    def knobs(self) -> dict[str, object]:
+        """The live settings an admin can change."""
+        bm = self.block_manager
+        return {
+            "enable_prefix_caching": bm.enable_prefix_caching,
+            "eviction_policy": bm.eviction_policy,
+            "normalize_prompts": self.normalization.value,
+            "tenant_salts": dict(self.tenant_salts),
+        }
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
@@ -132,7 +174,6 @@ class LLMEngine:
         *,
         request_id: str | None = None,
         tenant: str = DEFAULT_TENANT,
-        cache_salt: str | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises InvalidRequestError naming the value and the limit."""
         params = params or SamplingParams()
@@ -150,8 +191,7 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.sequences:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        salt = cache_salt if cache_salt is not None else tenant
-        seq = Sequence(request_id, token_ids, params, tenant, salt)
+        seq = Sequence(request_id, token_ids, params, tenant, self.salt_for(tenant))
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -249,7 +289,7 @@ class LLMEngine:
         elif token in self.eos_token_ids and not params.ignore_eos:
             self._finish(seq, FinishReason.STOP, None)
         elif params.stop:
-            text = self._decode(seq.output_token_ids)
+            text = self.decode(seq.output_token_ids)
             for stop in params.stop:
                 at = text.find(stop)
                 if at >= 0:
@@ -264,13 +304,10 @@ class LLMEngine:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         if not isinstance(stop_reason, str):
-            seq.output_text = self._decode(seq.output_token_ids)
+            seq.output_text = self.decode(seq.output_token_ids)
         self.scheduler.remove(seq, aborted=False)
         self.sequences.pop(seq.seq_id, None)
         self.stats.finished_total += 1
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
         finished = seq.finished
@@ -338,7 +375,12 @@ class LLMEngine:
             ),
             blocks=BlockStats(counts=counts, usage=in_use / bm.num_blocks, state_map=encode_block_map(bm.state_map()),
                               allocated_slots=allocated, used_slots=used),
-            prefix_cache=self.stats.prefix_cache(bm.evictions_total),
+            prefix_cache=self.stats.prefix_cache(bm.evictions_total).model_copy(update={
+                "normalization": self.normalization.value,
+                "shadow_queries_total": self.shadow.queries_total,
+                "shadow_hits_total": self.shadow.hits_total,
+                "shadow_hit_rate": self.shadow.hit_rate,
+            }),
             requests=RequestStats(
                 running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                 finished_total=self.stats.finished_total, aborted_total=self.stats.aborted_total,

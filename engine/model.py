@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from kvops import kernels
 from kvops.engine.errors import ConfigError
 from kvops.engine.linear import select_linear
 from kvops.kernels import AttentionMetadata
-
-from kvops import kernels
 
 
 def _rope_inv_freq(config: Any) -> tuple[torch.Tensor, float]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from kvops.engine.errors import InvalidRequestError
 
 

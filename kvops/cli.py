@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -40,6 +41,20 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from kvops.engine.args import engine_config_from_args
+    from kvops.engine.engine import LLMEngine
+    from kvops.engine.server import build_app, serve
+
+    if args.kv_cache_dtype not in ("auto", args.dtype):
+        from kvops.engine.errors import ConfigError
+
+        raise ConfigError(f"--kv-cache-dtype {args.kv_cache_dtype!r} is not available yet: use auto (the model dtype)")
+    engine = LLMEngine(engine_config_from_args(args))
+    app = build_app(engine, admin_token=args.admin_token, drain_timeout_s=args.drain_timeout)
+    return serve(app, args.host, args.port, args.drain_timeout)
+
+
 def _bench(argv: list[str]) -> int:
     from kvops import bench
 
@@ -69,6 +84,17 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--stats", action="store_true", help="print the full snapshot as JSON at the end")
     add_engine_args(generate)
     generate.set_defaults(handler=_generate)
+
+    serve = engine_commands.add_parser("serve", help="serve the OpenAI-compatible API, /stats and /metrics")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--admin-token", default=os.environ.get("KVOPS_ADMIN_TOKEN"),
+                       help="bearer token for /admin endpoints (or $KVOPS_ADMIN_TOKEN); without one they are disabled")
+    serve.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype (default: the model dtype)")
+    serve.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="seconds SIGTERM waits for in-flight requests (default: %(default)s)")
+    add_engine_args(serve)
+    serve.set_defaults(handler=_serve)
 
     commands.add_parser("bench", help="benchmark the engine against transformers (see `kvops bench --help`)",
                         add_help=False)

@@ -68,6 +68,10 @@ class PrefixCacheStats(BaseModel):
     window_hits: int
     window_hit_rate: float
     evictions_total: int
+    normalization: str = "off"  # prompt normalization mode: off | shadow | on
+    shadow_queries_total: int = 0  # shadow mode: prompt tokens looked up in the normalized model cache
+    shadow_hits_total: int = 0  # ... and the tokens that would have hit with normalization on
+    shadow_hit_rate: float = 0.0
 
 
 class RequestStats(BaseModel):

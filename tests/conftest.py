@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvops.engine.config import EngineConfig
 from kvops.engine.llm import LLM
-
 from kvops.logs import configure_logging
 
 configure_logging("info", json_logs=False)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kvops.engine.config import EngineConfig
 from kvops.engine.errors import ConfigError
 from kvops.engine.llm import LLM

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+
 from kvops.engine.block import BlockState
 from kvops.engine.block_manager import BlockManager
 from kvops.engine.eviction import LFU

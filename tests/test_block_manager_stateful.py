@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
 from kvops.engine.block import BlockState
 from kvops.engine.block_manager import DEFAULT_TENANT, BlockManager
 from kvops.engine.hashing import block_hashes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvops.engine.capacity import kv_bytes_per_token, plan_capacity
 from kvops.engine.config import EngineConfig, parse_bytes
 from kvops.engine.errors import CapacityError, ConfigError

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvops.engine.config import EngineConfig
 from kvops.engine.invariants import check_invariants
 from kvops.engine.llm import LLM

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+
 from kvops.engine.errors import InvalidRequestError
 from kvops.engine.sampling import SamplingParams
-
 from kvops.snapshot import Snapshot, decode_block_map
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 
-from kvops.engine.weights import DEFAULT_GGUF_FILE, default_gguf_path, resolve_model_dir
 from structlog.testing import capture_logs
+
+from kvops.engine.weights import DEFAULT_GGUF_FILE, default_gguf_path, resolve_model_dir
 
 
 def test_gguf_is_converted_once_into_the_cache_dir(tmp_path, monkeypatch):

@@ -1,0 +1,166 @@
+"""The engine behind a server: one thread runs the step loop, asyncio tasks stream the outputs.
+
+Everything that touches the engine's state (adding, aborting, admin changes, snapshots) runs on
+the step-loop thread, submitted through `call`, so the scheduler and the block manager never
+see two threads at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import structlog
+
+from kvops.engine.engine import LLMEngine, RequestOutput
+from kvops.engine.sampling import SamplingParams
+
+log = structlog.get_logger("kvops.engine.loop")
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+    tenant: str
+    arrival: float
+    last_token: float | None = None
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_timing: Callable[[str, str, float], None] | None = None) -> None:
+        self.engine = engine
+        self.on_timing = on_timing  # (kind: "ttft" | "itl" | "e2e", tenant, seconds)
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
+            queue.SimpleQueue()
+        )
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvops-step-loop", daemon=True)
+        self.heartbeat = time.monotonic()
+        self.error: BaseException | None = None
+        self.accepting = True
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wakeup.set()
+        self._thread.join(timeout)
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop accepting requests and wait for the running ones to finish; True when drained."""
+        self.accepting = False
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not await asyncio.wrap_future(self.call(self.engine.has_unfinished)):
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    # ------------------------------------------------------------ requests
+
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run `fn` on the step-loop thread between steps; its result or exception lands in the future."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if not self.alive:
+            future.set_exception(RuntimeError("the engine's step loop is not running"))
+            return future
+        self._commands.put((fn, future))
+        self._wakeup.set()
+        return future
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        return await asyncio.wrap_future(self.call(fn))
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        tenant: str,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as steps produce them. Leaving early (a client that went
+        away, a cancelled task) aborts the request, so its blocks are released."""
+        request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), tenant, time.monotonic())
+        self._streams[request_id] = stream
+        finished = False
+        try:
+            await self.run(lambda: self.engine.add_request(prompt, params, request_id=request_id, tenant=tenant))
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self.alive:
+                self.call(lambda: self.engine.abort_request(request_id))
+
+    # ------------------------------------------------------------ the loop
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.heartbeat = time.monotonic()
+                self._run_commands()
+                if self.engine.has_unfinished() or self.engine.block_manager.pending_free:
+                    self._dispatch(self.engine.step())  # a step also reclaims aborted blocks
+                else:
+                    self._wakeup.wait(0.5)
+                    self._wakeup.clear()
+        except BaseException as exc:  # the loop must never die silently: /health reports it
+            self.error = exc
+            log.exception("step loop crashed")
+            for stream in list(self._streams.values()):
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RuntimeError(f"engine failed: {exc}"))
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if self.on_timing is not None:
+                if stream.last_token is None:
+                    self.on_timing("ttft", stream.tenant, now - stream.arrival)
+                else:
+                    self.on_timing("itl", stream.tenant, now - stream.last_token)
+                if out.finished:
+                    self.on_timing("e2e", stream.tenant, now - stream.arrival)
+            stream.last_token = now
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)

@@ -1,0 +1,245 @@
+"""The engine's Prometheus exposition (`/metrics`), with the official `prometheus-client`.
+
+Two kinds of metrics share one private `CollectorRegistry`:
+
+- event metrics (histograms and a counter) that the engine updates as requests finish and tokens
+  come out, through the `observe_*` methods;
+- everything else, read from the latest `Snapshot` at scrape time by a custom collector, so that
+  `/metrics` and `/stats` always agree.
+
+A scrape never fails because of one bad read: when `snapshot_fn` raises, the snapshot families are
+left out (and `kvops_metrics_snapshot_errors_total` counts it) while the event metrics still go out.
+Every metric is listed in docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+import structlog
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvops.snapshot import BLOCK_STATE_CODES, Snapshot
+
+log = structlog.get_logger("kvops.engine.metrics")
+
+TOKEN_BUCKETS: tuple[float, ...] = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+# 1 ms to 5 min: fine steps where decode and first-token latencies live, coarse ones for long requests.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0,
+)
+
+
+class _WithoutCreated(Collector):
+    """The event metrics of an inner registry, without the `*_created` series the client adds.
+
+    `prometheus_client.disable_created_metrics()` would do this for every registry in the process;
+    this keeps the choice local to the engine's registry.
+    """
+
+    def __init__(self, inner: CollectorRegistry) -> None:
+        self._inner = inner
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self._inner.collect():
+            kept = Metric(family.name, family.documentation, family.type, family.unit)
+            kept.samples = [sample for sample in family.samples if not sample.name.endswith("_created")]
+            yield kept
+
+
+class _SnapshotCollector(Collector):
+    """Reads one snapshot per scrape and turns it into metric families."""
+
+    def __init__(self, snapshot_fn: Callable[[], Snapshot], errors: Counter) -> None:
+        self._snapshot_fn = snapshot_fn
+        self._errors = errors
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            # Build and check every family before yielding any, so a bad snapshot leaves out all of them,
+            # not half, and nothing fails later while the exposition is written.
+            families = [_checked(family) for family in snapshot_families(self._snapshot_fn())]
+        except Exception as exc:  # a scrape must never fail because of one bad read
+            self._errors.inc()
+            log.warning("metrics snapshot failed; serving event metrics only", error=repr(exc))
+            return []
+        return families
+
+
+def _checked(family: Metric) -> Metric:
+    """The family with every sample value a float (raises on a value the exposition could not write)."""
+    family.samples = [sample._replace(value=float(sample.value)) for sample in family.samples]
+    return family
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    # `name` carries no `_total`: the client appends it to the sample.
+    return CounterMetricFamily(name, documentation, value=value)
+
+
+def snapshot_families(snap: Snapshot) -> Iterator[Metric]:
+    """Every snapshot-derived metric family, values exactly those of the snapshot (`/stats`)."""
+    engine = snap.engine
+    info = GaugeMetricFamily(
+        "kvops_engine_info", "Engine identity and configuration; always 1.",
+        labels=["model", "block_size", "kv_cache_dtype", "dtype", "eviction_policy", "device", "version"],
+    )
+    info.add_metric([engine.model, str(engine.block_size), engine.kv_cache_dtype, engine.dtype,
+                     engine.eviction_policy, engine.device, engine.engine_version], 1)
+    yield info
+    yield _gauge("kvops_engine_start_time_seconds", "Engine start time, unix seconds.", engine.started_at)
+    yield _gauge("kvops_engine_max_model_len", "Longest sequence (prompt + generation) accepted, in tokens.",
+                 engine.max_model_len)
+    yield _gauge("kvops_engine_max_num_seqs", "Most sequences running at once.", engine.max_num_seqs)
+    yield _gauge("kvops_engine_max_num_batched_tokens", "Token budget of one engine step.",
+                 engine.max_num_batched_tokens)
+    yield _gauge("kvops_prefix_caching_enabled", "1 when prefix caching is on, else 0.",
+                 1 if engine.enable_prefix_caching else 0)
+
+    # KV cache pool
+    yield _gauge("kvops_kv_pool_blocks", "Blocks in the KV pool.", engine.num_blocks)
+    yield _gauge("kvops_kv_cache_bytes", "Bytes of the preallocated KV pool.", engine.kv_cache_bytes)
+    yield _gauge("kvops_kv_bytes_per_token", "KV bytes one token takes, all layers, K and V.", engine.bytes_per_token)
+    yield _gauge("kvops_kv_cache_usage_ratio", "Fraction of blocks holding live sequences' K/V (filling + full).",
+                 snap.blocks.usage)
+    blocks = GaugeMetricFamily("kvops_kv_blocks", "Blocks in each state; the states sum to the pool size.",
+                               labels=["state"])
+    for state in BLOCK_STATE_CODES:
+        blocks.add_metric([state], snap.blocks.counts.get(state, 0))
+    yield blocks
+    yield _gauge("kvops_kv_allocated_slots", "Token slots in blocks held by live sequences.",
+                 snap.blocks.allocated_slots)
+    yield _gauge("kvops_kv_used_slots", "Allocated token slots that hold a computed token.", snap.blocks.used_slots)
+
+    # prefix cache
+    yield _counter("kvops_prefix_cache_queries", "Prompt tokens looked up in the prefix cache (first admission only).",
+                   snap.prefix_cache.queries_total)
+    yield _counter("kvops_prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                   snap.prefix_cache.hits_total)
+    yield _counter("kvops_prefix_cache_evictions", "Cached blocks evicted to make room.",
+                   snap.prefix_cache.evictions_total)
+
+    # requests
+    yield _gauge("kvops_num_requests_running", "Sequences running.", snap.requests.running)
+    yield _gauge("kvops_num_requests_waiting", "Requests waiting for admission.", snap.requests.waiting)
+    yield _counter("kvops_num_preemptions", "Sequences preempted for lack of blocks.", snap.requests.preemptions_total)
+    yield _counter("kvops_prompt_tokens", "Prompt tokens admitted.", snap.requests.prompt_tokens_total)
+    yield _counter("kvops_generation_tokens", "Tokens generated.", snap.requests.generation_tokens_total)
+    yield _counter("kvops_requests_aborted", "Requests aborted.", snap.requests.aborted_total)
+
+    # swap
+    yield _gauge("kvops_swapped_blocks", "Blocks whose content is in the host swap pool.", snap.swap.swapped_blocks)
+    yield _counter("kvops_swap_out_blocks", "Blocks swapped out to host memory.", snap.swap.swap_out_total)
+    yield _counter("kvops_swap_in_blocks", "Blocks swapped back in from host memory.", snap.swap.swap_in_total)
+
+    # tenants
+    tenant_families: list[tuple[Metric, str]] = [
+        (GaugeMetricFamily("kvops_tenant_blocks", "Blocks held by the tenant's live sequences.",
+                           labels=["tenant"]), "blocks_held"),
+        (CounterMetricFamily("kvops_tenant_requests", "Requests admitted for the tenant.",
+                             labels=["tenant"]), "requests_total"),
+        (CounterMetricFamily("kvops_tenant_prompt_tokens", "Prompt tokens admitted for the tenant.",
+                             labels=["tenant"]), "prompt_tokens_total"),
+        (CounterMetricFamily("kvops_tenant_prefix_hit_tokens", "The tenant's prompt tokens served from the cache.",
+                             labels=["tenant"]), "hit_tokens_total"),
+        (CounterMetricFamily("kvops_tenant_cross_evictions_caused",
+                             "Other tenants' cached blocks evicted by this tenant's allocations.",
+                             labels=["tenant"]), "evictions_caused"),
+        (CounterMetricFamily("kvops_tenant_cross_evictions_suffered",
+                             "This tenant's cached blocks evicted by other tenants' allocations.",
+                             labels=["tenant"]), "evictions_suffered"),
+    ]
+    for family, field in tenant_families:
+        for tenant, stats in sorted(snap.tenants.items()):
+            family.add_metric([tenant], getattr(stats, field))
+        yield family
+
+    # process
+    process = snap.process
+    yield _gauge("kvops_process_resident_memory_bytes", "Resident memory of the engine process.", process.rss_bytes)
+    yield _gauge("kvops_process_cpu_usage_ratio",
+                 "CPU used by the engine process, in cores (psutil cpu_percent / 100; above 1 on several cores).",
+                 process.cpu_percent / 100.0)
+    yield _gauge("kvops_process_threads", "Threads of the engine process.", process.num_threads)
+    gpu_labels = ["gpu", "name"]
+    gpu_used = GaugeMetricFamily("kvops_gpu_memory_used_bytes", "GPU memory in use (NVML).", labels=gpu_labels)
+    gpu_total = GaugeMetricFamily("kvops_gpu_memory_total_bytes", "GPU memory in total (NVML).", labels=gpu_labels)
+    gpu_util = GaugeMetricFamily("kvops_gpu_utilization_ratio", "GPU busy fraction over the last sample (NVML).",
+                                 labels=gpu_labels)
+    for gpu in process.gpus:
+        labels = [str(gpu.index), gpu.name]
+        gpu_used.add_metric(labels, gpu.memory_used_bytes)
+        gpu_total.add_metric(labels, gpu.memory_total_bytes)
+        gpu_util.add_metric(labels, gpu.utilization_percent / 100.0)
+    yield gpu_used
+    yield gpu_total
+    yield gpu_util
+
+
+class EngineMetrics:
+    """The engine's `/metrics`: event metrics updated by the engine plus the latest snapshot at scrape time."""
+
+    def __init__(self, snapshot_fn: Callable[[], Snapshot]) -> None:
+        self.registry = CollectorRegistry()
+        events = CollectorRegistry()
+        self._events = events
+        self.request_prompt_tokens = Histogram(
+            "kvops_request_prompt_tokens", "Prompt length of finished requests, in tokens.",
+            ["tenant"], buckets=TOKEN_BUCKETS, registry=events,
+        )
+        self.request_generation_tokens = Histogram(
+            "kvops_request_generation_tokens", "Tokens generated per finished request.",
+            ["tenant"], buckets=TOKEN_BUCKETS, registry=events,
+        )
+        self.time_to_first_token = Histogram(
+            "kvops_time_to_first_token_seconds", "Time from arrival to the first generated token.",
+            ["tenant"], buckets=LATENCY_BUCKETS, registry=events,
+        )
+        self.inter_token_latency = Histogram(
+            "kvops_inter_token_latency_seconds", "Time between consecutive generated tokens of a request.",
+            ["tenant"], buckets=LATENCY_BUCKETS, registry=events,
+        )
+        self.e2e_latency = Histogram(
+            "kvops_e2e_request_latency_seconds", "Time from arrival to finish of a request.",
+            ["tenant"], buckets=LATENCY_BUCKETS, registry=events,
+        )
+        self.requests_finished = Counter(
+            "kvops_requests_finished", "Requests finished, by finish reason (stop, length, abort).",
+            ["tenant", "finish_reason"], registry=events,
+        )
+        self.snapshot_errors = Counter(
+            "kvops_metrics_snapshot_errors", "Scrapes whose snapshot read failed (snapshot metrics left out).",
+            registry=events,
+        )
+        # The snapshot first: a failed read then shows in the same scrape's snapshot_errors counter.
+        self.registry.register(_SnapshotCollector(snapshot_fn, self.snapshot_errors))
+        self.registry.register(_WithoutCreated(events))
+
+    def observe_request_finished(self, tenant: str, prompt_tokens: int, generation_tokens: int,
+                                 finish_reason: str) -> None:
+        self.request_prompt_tokens.labels(tenant).observe(prompt_tokens)
+        self.request_generation_tokens.labels(tenant).observe(generation_tokens)
+        self.requests_finished.labels(tenant, finish_reason).inc()
+
+    def observe_time_to_first_token(self, tenant: str, seconds: float) -> None:
+        self.time_to_first_token.labels(tenant).observe(seconds)
+
+    def observe_inter_token_latency(self, tenant: str, seconds: float) -> None:
+        self.inter_token_latency.labels(tenant).observe(seconds)
+
+    def observe_e2e_latency(self, tenant: str, seconds: float) -> None:
+        self.e2e_latency.labels(tenant).observe(seconds)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition body and its content type, for the HTTP handler."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+__all__ = ["LATENCY_BUCKETS", "TOKEN_BUCKETS", "EngineMetrics", "snapshot_families"]

@@ -1,0 +1,354 @@
+"""The engine as an HTTP service: OpenAI-compatible API, /health, /stats, /metrics, /admin.
+
+FastAPI on uvicorn. Requests become engine sequences through `AsyncEngine`; a client that
+disconnects aborts its sequence. Errors use OpenAI's error body with the offending field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import structlog
+import uvicorn
+from fastapi import FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, Field
+
+from kvops.engine.async_engine import AsyncEngine
+from kvops.engine.engine import LLMEngine, RequestOutput
+from kvops.engine.errors import EngineError, InvalidRequestError
+from kvops.engine.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorBody,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    Usage,
+)
+from kvops.engine.sampling import SamplingParams
+
+log = structlog.get_logger("kvops.engine.server")
+
+HEALTH_STALL_S = 30.0  # a step loop silent for this long is stuck: /health says 503
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
+    body = ErrorResponse(error=ErrorBody(message=message, type=kind, param=param, code=status))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+class PrefixCachingBody(BaseModel):
+    enabled: bool
+
+
+class EvictionPolicyBody(BaseModel):
+    policy: str = Field(pattern="^(lru|lfu)$")
+
+
+class NormalizationBody(BaseModel):
+    mode: str = Field(pattern="^(off|shadow|on)$")
+
+
+class TenantBody(BaseModel):
+    cache_salt: str | None = Field(default=None, max_length=256,
+                                   description="tenants with the same salt share prefix blocks; null = own salt")
+
+
+def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s: float = 30.0) -> FastAPI:
+    """The ASGI app around one engine. Its step loop starts and stops with the app's lifespan."""
+    from contextlib import asynccontextmanager
+
+    from kvops.engine.metrics import EngineMetrics
+
+    metrics = EngineMetrics(lambda: engine.snapshot())
+    timing = {"ttft": metrics.observe_time_to_first_token, "itl": metrics.observe_inter_token_latency,
+              "e2e": metrics.observe_e2e_latency}
+    runner = AsyncEngine(engine, on_timing=lambda kind, tenant, seconds: timing[kind](tenant, seconds))
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        runner.start()
+        log.info("engine ready", model=engine.model_name)
+        yield
+        drained = await runner.drain(drain_timeout_s)
+        log.info("engine stopping", drained=drained)
+        runner.stop()
+
+    app = FastAPI(title="kvops engine", version="1", lifespan=lifespan)
+    app.state.runner = runner
+    app.state.metrics = metrics
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        field = ".".join(location) or None
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            return _error(400, f"the request body is not valid JSON: {message}")
+        given = first.get("input")
+        shown = f" (got {json.dumps(given)[:80]})" if given is not None and not isinstance(given, dict) else ""
+        return _error(400, f"{field or 'body'}: {message}{shown}", field)
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return _error(400, str(exc), exc.field)
+
+    # ------------------------------------------------------------ serving
+
+    def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> SamplingParams:
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        return SamplingParams(
+            max_tokens=16 if max_tokens is None else max_tokens, temperature=body.temperature, top_p=body.top_p,
+            top_k=body.top_k, seed=body.seed, stop=stop, stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=body.ignore_eos,
+        )
+
+    def check_model(name: str) -> None:
+        if name != engine.model_name:
+            raise InvalidRequestError(f"model {name!r} is not served here: this engine serves {engine.model_name!r}",
+                                      "model")
+
+    def tenant_of(body_user: str | None, header: str | None) -> str:
+        return body_user or header or "default"
+
+    def usage(out: RequestOutput) -> Usage:
+        prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+
+    async def run_to_end(request: Request, outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+        """Collect a non-streaming request, aborting it if the client goes away meanwhile."""
+        async def collect() -> RequestOutput:
+            last = None
+            async for out in outputs:
+                last = out
+            assert last is not None
+            return last
+
+        task = asyncio.ensure_future(collect())
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                await outputs.aclose()
+                return None
+        return task.result()
+
+    def accepting() -> None:
+        if not runner.accepting:
+            raise InvalidRequestError("the engine is shutting down and takes no new requests", None)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request,
+                          x_tenant: str | None = Header(default=None)) -> Response:
+        check_model(body.model)
+        accepting()
+        prompt: str | Sequence[int]
+        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
+            if len(body.prompt) != 1:
+                raise InvalidRequestError(f"prompt: a list of {len(body.prompt)} prompts was given; send one per "
+                                          "request", "prompt")
+            prompt = str(body.prompt[0])
+        else:
+            prompt = body.prompt  # type: ignore[assignment]
+        params = sampling_params(body, body.max_tokens)
+        tenant = tenant_of(body.user, x_tenant)
+        prompt = await runner.run(lambda: engine.prepare_prompt(prompt, tenant))
+        outputs = runner.generate(prompt, params, tenant=tenant)
+        if body.stream:
+            return StreamingResponse(stream_completion(body, outputs), media_type="text/event-stream")
+        out = await run_to_end(request, outputs)
+        if out is None:
+            return Response(status_code=499)
+        return JSONResponse(CompletionResponse(
+            id=out.request_id, model=engine.model_name, usage=usage(out),
+            choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason)],
+        ).model_dump())
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request,
+                               x_tenant: str | None = Header(default=None)) -> Response:
+        check_model(body.model)
+        accepting()
+        params = sampling_params(body, body.max_completion_tokens or body.max_tokens)
+        tenant = tenant_of(body.user, x_tenant)
+        messages = [m.model_dump() for m in body.messages]
+        prompt = await runner.run(lambda: engine.prepare_chat(messages, tenant))
+        outputs = runner.generate(prompt, params, tenant=tenant)
+        if body.stream:
+            return StreamingResponse(stream_chat(body, outputs), media_type="text/event-stream")
+        out = await run_to_end(request, outputs)
+        if out is None:
+            return Response(status_code=499)
+        return JSONResponse(ChatCompletionResponse(
+            id=out.request_id, model=engine.model_name, usage=usage(out),
+            choices=[ChatChoice(message=ChatResponseMessage(content=out.text), finish_reason=out.finish_reason)],
+        ).model_dump())
+
+    def sse(payload: BaseModel | str) -> str:
+        data = payload if isinstance(payload, str) else payload.model_dump_json(exclude_none=False)
+        return f"data: {data}\n\n"
+
+    async def text_deltas(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[tuple[str, RequestOutput]]:
+        """Incremental detokenization: emit text once it is stable (no half of a multi-byte char)."""
+        sent = ""
+        async for out in outputs:
+            text = out.text if out.finished else engine.decode(out.token_ids)
+            if not out.finished and text.endswith("\ufffd"):
+                continue
+            delta, sent = text[len(sent):] if text.startswith(sent) else text, text
+            yield delta, out
+
+    async def stream_completion(body: CompletionRequest, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+        try:
+            async for delta, out in text_deltas(outputs):
+                chunk = CompletionResponse(id=out.request_id, model=engine.model_name, choices=[
+                    CompletionChoice(text=delta, finish_reason=out.finish_reason)])
+                yield sse(chunk)
+                if out.finished and body.stream_options and body.stream_options.include_usage:
+                    yield sse(CompletionResponse(id=out.request_id, model=engine.model_name, choices=[],
+                                                 usage=usage(out)))
+            yield sse("[DONE]")
+        except EngineError as exc:
+            yield sse(json.dumps({"error": {"message": str(exc), "type": "engine_error"}}))
+        finally:
+            await outputs.aclose()
+
+    async def stream_chat(body: ChatCompletionRequest, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+        first = True
+        try:
+            async for delta, out in text_deltas(outputs):
+                choice = ChatChunkChoice(delta=ChatDelta(role="assistant" if first else None, content=delta),
+                                         finish_reason=out.finish_reason)
+                first = False
+                yield sse(ChatCompletionChunk(id=out.request_id, model=engine.model_name, choices=[choice]))
+                if out.finished and body.stream_options and body.stream_options.include_usage:
+                    yield sse(ChatCompletionChunk(id=out.request_id, model=engine.model_name, choices=[],
+                                                  usage=usage(out)))
+            yield sse("[DONE]")
+        except EngineError as exc:
+            yield sse(json.dumps({"error": {"message": str(exc), "type": "engine_error"}}))
+        finally:
+            await outputs.aclose()
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=engine.model_name, created=int(engine.started_at),
+                                         max_model_len=engine.max_model_len)])
+
+    # ------------------------------------------------------------ observability
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        stalled = time.monotonic() - runner.heartbeat
+        if not runner.alive:
+            return JSONResponse({"status": "down", "reason": f"step loop stopped: {runner.error}"}, status_code=503)
+        if stalled > HEALTH_STALL_S:
+            return JSONResponse({"status": "stuck", "reason": f"step loop silent for {stalled:.0f} s"},
+                                status_code=503)
+        return JSONResponse({"status": "ok", "model": engine.model_name})
+
+    @app.get("/stats")
+    async def stats() -> Response:
+        snapshot = await runner.run(engine.snapshot)
+        return Response(snapshot.model_dump_json(), media_type="application/json")
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body, content_type = await runner.run(metrics.render)
+        return Response(body, media_type=content_type)
+
+    # ------------------------------------------------------------ admin
+
+    def authorize(authorization: str | None) -> JSONResponse | None:
+        if admin_token is None:
+            return _error(404, "admin endpoints are disabled: start the engine with --admin-token", None,
+                          "not_found_error")
+        if not authorization or not authorization.startswith("Bearer "):
+            return _error(401, "admin endpoints need 'Authorization: Bearer <admin token>'", None,
+                          "authentication_error")
+        if not hmac.compare_digest(authorization.removeprefix("Bearer ").encode(), admin_token.encode()):
+            return _error(403, "the admin token is wrong", None, "permission_error")
+        return None
+
+    async def admin_change(authorization: str | None, change: Any, **logged: Any) -> JSONResponse:
+        denied = authorize(authorization)
+        if denied is not None:
+            return denied
+        await runner.run(change)
+        log.info("admin change", **logged)
+        return JSONResponse(await runner.run(engine.knobs))
+
+    @app.get("/admin/config")
+    async def admin_config(authorization: str | None = Header(default=None)) -> JSONResponse:
+        denied = authorize(authorization)
+        return denied or JSONResponse(await runner.run(engine.knobs))
+
+    @app.put("/admin/prefix-caching")
+    async def admin_prefix_caching(body: PrefixCachingBody,
+                                   authorization: str | None = Header(default=None)) -> JSONResponse:
+        return await admin_change(authorization, lambda: engine.block_manager.set_prefix_caching(body.enabled),
+                                  knob="prefix_caching", enabled=body.enabled)
+
+    @app.put("/admin/eviction-policy")
+    async def admin_eviction_policy(body: EvictionPolicyBody,
+                                    authorization: str | None = Header(default=None)) -> JSONResponse:
+        return await admin_change(authorization, lambda: engine.block_manager.set_eviction_policy(body.policy),
+                                  knob="eviction_policy", policy=body.policy)
+
+    @app.put("/admin/normalization")
+    async def admin_normalization(body: NormalizationBody,
+                                  authorization: str | None = Header(default=None)) -> JSONResponse:
+        return await admin_change(authorization, lambda: engine.set_normalization(body.mode),
+                                  knob="normalize_prompts", mode=body.mode)
+
+    @app.put("/admin/tenants/{tenant}")
+    async def admin_tenant(tenant: str, body: TenantBody,
+                           authorization: str | None = Header(default=None)) -> JSONResponse:
+        def change() -> None:
+            if body.cache_salt is None:
+                engine.tenant_salts.pop(tenant, None)
+            else:
+                engine.tenant_salts[tenant] = body.cache_salt
+
+        return await admin_change(authorization, change, knob="tenant", tenant=tenant, cache_salt=body.cache_salt)
+
+    return app
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, except that a signal-initiated graceful shutdown exits 0: uvicorn
+    re-raises the signal afterwards, which would make a clean drain look like a kill."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
+
+
+def serve(app: FastAPI, host: str, port: int, drain_timeout_s: float) -> int:
+    """Run the app until SIGTERM/SIGINT: stop accepting, finish in-flight requests, drain, exit 0."""
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=max(1, int(drain_timeout_s)))
+    server = _DrainingServer(config)
+    server.run()
+    return 0 if server.started else 1

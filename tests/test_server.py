@@ -1,0 +1,221 @@
+"""The engine as a service, driven by real clients over loopback: the official `openai` client,
+raw HTTP for malformed input, concurrent streams, disconnects, admin knobs and SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from kvops.snapshot import Snapshot
+
+MODEL = "SmolLM2-135M-Instruct"
+TOKEN = "test-admin-token"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(*args: str) -> tuple[subprocess.Popen[str], str]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvops", "engine", "serve", "--port", str(port), "--kv-cache-memory", "64MiB",
+         "--max-model-len", "1024", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("server did not become healthy in 180 s")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    proc, url = start_server("--admin-token", TOKEN)
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+
+
+@pytest.fixture
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def stats(url: str) -> Snapshot:
+    return Snapshot.model_validate_json(httpx.get(f"{url}/stats", timeout=30).text)
+
+
+def admin(url: str, path: str, body: dict[str, object], token: str | None = TOKEN) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.put(f"{url}/admin/{path}", json=body, headers=headers, timeout=30)
+
+
+def wait_idle(url: str) -> Snapshot:
+    for _ in range(100):
+        snap = stats(url)
+        if snap.requests.running == snap.requests.waiting == 0 and snap.blocks.counts["pending_free"] == 0:
+            return snap
+        time.sleep(0.1)
+    raise AssertionError("engine did not become idle")
+
+
+def test_completions_and_cached_tokens(client):
+    prompt = "Colour theory for painters. " * 6 + "The primary colours are red, yellow and blue. The secondary are"
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert first.choices[0].text == second.choices[0].text and first.choices[0].text
+    assert first.usage.completion_tokens == 8 and first.choices[0].finish_reason == "length"
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_chat_streaming_gives_the_same_text(client):
+    messages = [{"role": "user", "content": "Name three fruits."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    pieces, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+    assert finish == whole.choices[0].finish_reason
+
+
+def test_tenants_do_not_share_prefix_blocks_unless_allowed(client, server):
+    prompt = "Tenant isolation check: " + "alpha beta gamma delta " * 12
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, user="tenant-a")
+    other = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, user="tenant-b")
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert admin(server, "tenants/tenant-b", {"cache_salt": "tenant-a"}).status_code == 200
+    shared = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, user="tenant-b")
+    assert shared.usage.prompt_tokens_details.cached_tokens > 0
+    header = httpx.post(f"{server}/v1/completions", headers={"X-Tenant": "tenant-c"},
+                        json={"model": MODEL, "prompt": "hello", "max_tokens": 1}, timeout=60)
+    assert header.status_code == 200
+    tenants = stats(server).tenants
+    assert {"tenant-a", "tenant-b", "tenant-c"} <= set(tenants)
+    assert tenants["tenant-b"].hit_tokens_total > 0 and tenants["tenant-a"].requests_total >= 1
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "field", "words"),
+    [
+        ("{not json", 400, None, "not valid JSON"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": -5}, 400, "max_tokens", "at least 1"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens", "integer"),
+        ({"model": "gpt-9", "prompt": "hi"}, 400, "model", "not served here"),
+        ({"model": MODEL, "prompt": "word " * 1100, "max_tokens": 1}, 400, "prompt", "max_model_len 1024"),
+        ({"model": MODEL, "prompt": ""}, 400, "prompt", "empty"),
+        ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature", "greater than or equal"),
+        ({"prompt": "hi"}, 400, "model", "Field required"),
+    ],
+)
+def test_bad_requests_get_400_naming_the_field(server, body, status, field, words):
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = httpx.post(f"{server}/v1/completions", content=content,
+                          headers={"Content-Type": "application/json"}, timeout=60)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert words in error["message"]
+    assert error["param"] == field
+
+
+def test_health_stats_metrics_models(server):
+    assert httpx.get(f"{server}/health").json()["status"] == "ok"
+    snap = stats(server)
+    assert snap.engine.model == MODEL and sum(snap.blocks.counts.values()) == snap.engine.num_blocks
+    metrics = httpx.get(f"{server}/metrics").text
+    assert "kvops_kv_blocks{state=\"free\"}" in metrics and "kvops_prefix_cache_queries_total" in metrics
+    assert httpx.get(f"{server}/v1/models").json()["data"][0]["id"] == MODEL
+
+
+def test_admin_requires_the_token_and_changes_are_reflected(server):
+    assert admin(server, "eviction-policy", {"policy": "lfu"}, token=None).status_code == 401
+    assert admin(server, "eviction-policy", {"policy": "lfu"}, token="wrong").status_code == 403
+    assert admin(server, "eviction-policy", {"policy": "fifo"}).status_code == 400
+    changed = admin(server, "eviction-policy", {"policy": "lfu"})
+    assert changed.status_code == 200 and changed.json()["eviction_policy"] == "lfu"
+    assert stats(server).engine.eviction_policy == "lfu"
+    assert admin(server, "prefix-caching", {"enabled": False}).json()["enable_prefix_caching"] is False
+    assert stats(server).engine.enable_prefix_caching is False
+    admin(server, "prefix-caching", {"enabled": True})
+    admin(server, "eviction-policy", {"policy": "lru"})
+
+
+def test_disconnected_stream_aborts_and_frees_blocks(server):
+    before = stats(server).requests.aborted_total
+    body = {"model": MODEL, "prompt": "Tell me a very long story about a lighthouse.", "max_tokens": 400,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                break
+    snap = wait_idle(server)
+    assert snap.requests.aborted_total == before + 1
+    assert snap.blocks.counts["filling"] == snap.blocks.counts["full"] == 0
+
+
+def test_64_concurrent_streams_finish_without_leaking_blocks(server):
+    async def one(http: httpx.AsyncClient, i: int) -> tuple[int, int]:
+        body = {"model": MODEL, "prompt": f"Client {i} says hello and asks for a number:", "max_tokens": 6,
+                "stream": True, "temperature": 0.7, "seed": i, "ignore_eos": True}
+        chunks = 0
+        async with http.stream("POST", f"{server}/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                chunks += line.startswith("data: {")
+            return response.status_code, chunks
+
+    async def main() -> list[tuple[int, int]]:
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as http:
+            return await asyncio.wait_for(asyncio.gather(*(one(http, i) for i in range(64))), timeout=300)
+
+    results = asyncio.run(main())
+    assert all(status == 200 for status, _ in results)
+    assert all(chunks >= 1 for _, chunks in results)
+    snap = wait_idle(server)
+    assert snap.blocks.counts["filling"] == snap.blocks.counts["full"] == 0
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_0():
+    proc, url = start_server()
+    result: dict[str, object] = {}
+
+    async def request_then_signal() -> None:
+        async with httpx.AsyncClient(timeout=120) as http:
+            pending = asyncio.create_task(http.post(f"{url}/v1/completions", json={
+                "model": MODEL, "prompt": "Count from one to twenty:", "max_tokens": 40, "ignore_eos": True}))
+            await asyncio.sleep(1.0)
+            proc.send_signal(signal.SIGTERM)
+            response = await pending
+            result["status"] = response.status_code
+            result["tokens"] = response.json()["usage"]["completion_tokens"]
+
+    asyncio.run(request_then_signal())
+    assert proc.wait(timeout=60) == 0
+    assert result == {"status": 200, "tokens": 40}
