@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvops.engine.block import Block, BlockState
-from kvops.engine.eviction import Evictor, make_policy
+from kvops.engine.eviction import ANY_OWNER, Evictor, make_policy
 from kvops.engine.free_queue import FreeBlockQueue
 from kvops.engine.hashing import BlockHash, block_hashes
 
@@ -61,6 +61,8 @@ class BlockManager:
         self.state_counts: Counter[BlockState] = Counter({BlockState.FREE: num_blocks})
         self.tenants: dict[str, TenantBlockStats] = {}
         self.evictions_total = 0
+        self.quotas: dict[str, int] = {}  # tenant -> most blocks it may own; such a tenant is isolated
+        self.owned: Counter[str] = Counter()  # tenant -> blocks it allocated that are not FREE yet
 
     # ------------------------------------------------------------------ queries
 
@@ -68,9 +70,19 @@ class BlockManager:
     def eviction_policy(self) -> str:
         return self.evictor.policy.name
 
-    def num_allocatable(self) -> int:
-        """Blocks an allocation can take right now: free, cached (evictable) and pending reclaim."""
-        return len(self.free_queue) + len(self.evictor) + len(self.pending_free)
+    def num_allocatable(self, tenant: str | None = None) -> int:
+        """Blocks an allocation for `tenant` can take right now: free, pending reclaim and cached
+        (evictable). A tenant with a quota only gets free blocks up to its quota, and only its
+        own cached blocks: it never evicts another tenant's."""
+        free = len(self.free_queue) + len(self.pending_free)
+        quota = self.quotas.get(tenant) if tenant is not None else None
+        if quota is None:
+            return free + len(self.evictor)
+        return min(free, max(0, quota - self.owned[tenant])) + self.evictor.count(tenant)  # type: ignore[index]
+
+    def quota_limited(self, tenant: str) -> bool:
+        """True when the tenant's quota, not the pool, is what stops its next allocation."""
+        return tenant in self.quotas and self.num_allocatable(tenant) < self.num_allocatable()
 
     def block_table(self, seq_id: str) -> list[int]:
         return self.seqs[seq_id].block_ids
@@ -126,8 +138,12 @@ class BlockManager:
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} already holds blocks")
         needed = max(0, -(-num_tokens // self.block_size) - len(hit_block_ids))
-        reusable_from_cache = sum(1 for b in hit_block_ids if self.blocks[b].state is BlockState.CACHED)
-        if needed > self.num_allocatable() - reusable_from_cache:
+        isolated = tenant in self.quotas
+        reusable_from_cache = sum(
+            1 for b in hit_block_ids
+            if self.blocks[b].state is BlockState.CACHED and (not isolated or self.blocks[b].owner == tenant)
+        )
+        if needed > self.num_allocatable(tenant) - reusable_from_cache:
             return False
         seq = SeqBlocks(seq_id, tenant, salt, hashes=list(hashes))
         self.seqs[seq_id] = seq
@@ -151,7 +167,7 @@ class BlockManager:
         needed = -(-num_tokens // self.block_size) - len(seq.block_ids)
         if needed <= 0:
             return True
-        if needed > self.num_allocatable():
+        if needed > self.num_allocatable(seq.tenant):
             return False
         self._grow(seq, needed, self.clock())
         return True
@@ -189,7 +205,7 @@ class BlockManager:
             raise ValueError(f"sequence {child_id!r} already holds blocks")
         shared = parent.block_ids[: parent.num_full]
         partial = parent.block_ids[parent.num_full :]
-        if len(partial) > self.num_allocatable():
+        if len(partial) > self.num_allocatable(parent.tenant):
             return None
         child = SeqBlocks(child_id, parent.tenant, parent.salt, hashes=list(parent.hashes[: parent.num_full]))
         self.seqs[child_id] = child
@@ -216,7 +232,7 @@ class BlockManager:
         count = len(self.pending_free)
         for block_id in self.pending_free:
             block = self.blocks[block_id]
-            block.owner = None
+            self._set_owner(block, None)
             self._set_state(block, BlockState.FREE)
             self.free_queue.push(block_id)
         self.pending_free.clear()
@@ -228,7 +244,7 @@ class BlockManager:
         while len(self.evictor) and (max_blocks is None or count < max_blocks):
             block = self.evictor.pop()
             self._uncache(block)
-            block.owner = None
+            self._set_owner(block, None)
             self._set_state(block, BlockState.FREE, from_evictor=True)
             self.free_queue.push(block.block_id)
             count += 1
@@ -247,32 +263,46 @@ class BlockManager:
     def set_eviction_policy(self, name: str) -> None:
         self.evictor.rebuild(make_policy(name))
 
+    def set_quota(self, tenant: str, blocks: int | None) -> None:
+        """Cap the blocks `tenant` may own (None lifts the cap). Blocks it already owns above a new
+        cap are not taken away; it recycles its own cached blocks until it is under the cap."""
+        if blocks is None:
+            self.quotas.pop(tenant, None)
+        else:
+            if blocks < 1:
+                raise ValueError(f"a quota must be at least one block (got {blocks})")
+            self.quotas[tenant] = blocks
+
     # --------------------------------------------------------------- internals
 
     def _grow(self, seq: SeqBlocks, count: int, now: float) -> None:
         for _ in range(count):
             block = self._take_block(seq.tenant)
             block.ref_count = 1
-            block.owner = seq.tenant
+            self._set_owner(block, seq.tenant)
             block.depth = len(seq.block_ids)
             block.last_access = now
             block.freq = 1.0
             seq.block_ids.append(block.block_id)
 
     def _take_block(self, tenant: str) -> Block:
-        if not self.free_queue and self.pending_free:
-            self.reclaim_pending()
-        if self.free_queue:
-            block = self.blocks[self.free_queue.pop()]
-            self._set_state(block, BlockState.FILLING)
-            return block
-        block = self.evictor.pop()
+        quota = self.quotas.get(tenant)
+        at_quota = quota is not None and self.owned[tenant] >= quota
+        if not at_quota:
+            if not self.free_queue and self.pending_free:
+                self.reclaim_pending()
+            if self.free_queue:
+                block = self.blocks[self.free_queue.pop()]
+                self._set_state(block, BlockState.FILLING)
+                return block
+        block = self.evictor.pop(tenant if quota is not None else ANY_OWNER)
         self.evictions_total += 1
         victim = block.owner or DEFAULT_TENANT
         if victim != tenant:
             self.tenants.setdefault(tenant, TenantBlockStats()).evictions_caused += 1
             self.tenants.setdefault(victim, TenantBlockStats()).evictions_suffered += 1
         self._uncache(block)
+        self._set_owner(block, None)
         self._set_state(block, BlockState.FILLING, from_evictor=True)
         return block
 
@@ -301,9 +331,16 @@ class BlockManager:
                 self.evictor.add(block)
             else:
                 self._uncache(block)
-                block.owner = None
+                self._set_owner(block, None)
                 self._set_state(block, BlockState.FREE)
                 self.free_queue.push(block_id)
+
+    def _set_owner(self, block: Block, owner: str | None) -> None:
+        if block.owner is not None:
+            self.owned[block.owner] -= 1
+        if owner is not None:
+            self.owned[owner] += 1
+        block.owner = owner
 
     def _set_state(self, block: Block, state: BlockState, from_evictor: bool = False) -> None:
         """The one place a block changes state."""

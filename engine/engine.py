@@ -147,6 +147,18 @@ class LLMEngine:
             self.shadow.observe(self.encode_chat(normalize_messages(messages)), self.salt_for(tenant))
         return self.encode_chat(messages)
 
+    def set_tenant_quota(self, tenant: str, blocks: int | None) -> None:
+        """Cap a tenant's blocks (None lifts it). A quota below one max-length request could never
+        serve that request, so it is refused."""
+        minimum = -(-self.max_model_len // self.config.block_size)
+        pool = self.block_manager.num_blocks
+        if blocks is not None and not minimum <= blocks <= pool:
+            raise InvalidRequestError(
+                f"quota_blocks {blocks} for tenant {tenant!r} is out of range: it must hold one request of "
+                f"max_model_len {self.max_model_len} ({minimum} blocks) and fit the pool ({pool} blocks)",
+                "quota_blocks")
+        self.block_manager.set_quota(tenant, blocks)
+
     def set_normalization(self, mode: str) -> None:
         self.normalization = NormalizationMode(mode)
 
@@ -158,6 +170,7 @@ class LLMEngine:
             "eviction_policy": bm.eviction_policy,
             "normalize_prompts": self.normalization.value,
             "tenant_salts": dict(self.tenant_salts),
+            "tenant_quotas": dict(self.block_manager.quotas),
         }
 
     def decode(self, token_ids: list[int]) -> str:
@@ -346,7 +359,7 @@ class LLMEngine:
         in_use = counts["filling"] + counts["full"]
         held = bm.blocks_held()
         tenants: dict[str, TenantStats] = {}
-        for name in set(self.stats.tenants) | set(bm.tenants) | set(held):
+        for name in set(self.stats.tenants) | set(bm.tenants) | set(held) | set(bm.quotas):
             counters = self.stats.tenants.get(name)
             evictions = bm.tenants.get(name)
             prompt_tokens = counters.prompt_tokens_total if counters else 0
@@ -357,6 +370,8 @@ class LLMEngine:
                 hit_tokens_total=hit_tokens,
                 hit_rate=hit_tokens / prompt_tokens if prompt_tokens else 0.0,
                 blocks_held=held.get(name, 0),
+                blocks_owned=bm.owned.get(name, 0),
+                quota_blocks=bm.quotas.get(name),
                 evictions_caused=evictions.evictions_caused if evictions else 0,
                 evictions_suffered=evictions.evictions_suffered if evictions else 0,
             )

@@ -79,49 +79,76 @@ def make_policy(name: str) -> EvictionPolicy:
     raise ValueError(f"unknown eviction policy {name!r}: choose one of {', '.join(EVICTION_POLICIES)}")
 
 
+Entry = tuple[tuple[float, ...], int, Block]
+ANY_OWNER = object()  # pop from any tenant's cached blocks
+
+
 class Evictor:
-    """The set of CACHED blocks, ordered by an eviction policy."""
+    """The set of CACHED blocks, ordered by an eviction policy and partitioned by owning tenant,
+    so that an isolated tenant can evict its own cached blocks without touching anyone else's."""
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self.policy = policy
-        self._heap: list[tuple[tuple[float, ...], int, Block]] = []
-        self._live = 0
+        self._heaps: dict[str | None, list[Entry]] = {}
+        self._live: dict[str | None, int] = {}
+        self._total = 0
 
     def __len__(self) -> int:
-        return self._live
+        return self._total
+
+    def count(self, owner: str | None) -> int:
+        """Cached blocks owned by `owner`."""
+        return self._live.get(owner, 0)
 
     def add(self, block: Block) -> None:
-        heapq.heappush(self._heap, (self.policy.key(block), block.evict_version, block))
-        self._live += 1
+        heapq.heappush(self._heaps.setdefault(block.owner, []), (self.policy.key(block), block.evict_version, block))
+        self._live[block.owner] = self._live.get(block.owner, 0) + 1
+        self._total += 1
 
     def remove(self, block: Block) -> None:
         """Forget a block that left CACHED (a prefix hit); its heap entry goes stale."""
         block.evict_version += 1
-        self._live -= 1
-        if len(self._heap) > 64 and len(self._heap) > 4 * self._live:
-            self._heap = [entry for entry in self._heap if self._is_live(entry)]
-            heapq.heapify(self._heap)
+        self._live[block.owner] -= 1
+        self._total -= 1
+        heap = self._heaps[block.owner]
+        if len(heap) > 64 and len(heap) > 4 * self._live[block.owner]:
+            heap[:] = [entry for entry in heap if self._is_live(entry)]
+            heapq.heapify(heap)
 
-    def pop(self) -> Block:
-        while self._heap:
-            entry = heapq.heappop(self._heap)
-            if self._is_live(entry):
-                block = entry[2]
-                block.evict_version += 1
-                self._live -= 1
-                return block
-        raise IndexError("no cached block to evict")
+    def pop(self, owner: object = ANY_OWNER) -> Block:
+        """The next block to evict: overall, or among `owner`'s cached blocks."""
+        if owner is ANY_OWNER:
+            candidates = [o for o, live in self._live.items() if live]
+            if not candidates:
+                raise IndexError("no cached block to evict")
+            owner = min(candidates, key=lambda o: self._top(o)[0])
+        if not self._live.get(owner):  # type: ignore[call-overload]
+            raise IndexError(f"no cached block of {owner!r} to evict")
+        entry = self._top(owner)  # type: ignore[arg-type]
+        heapq.heappop(self._heaps[owner])  # type: ignore[index]
+        block = entry[2]
+        block.evict_version += 1
+        self._live[owner] -= 1  # type: ignore[index]
+        self._total -= 1
+        return block
 
     def blocks(self) -> list[Block]:
-        return [entry[2] for entry in self._heap if self._is_live(entry)]
+        return [entry[2] for heap in self._heaps.values() for entry in heap if self._is_live(entry)]
 
     def rebuild(self, policy: EvictionPolicy) -> None:
         live = self.blocks()
         self.policy = policy
-        self._heap = [(policy.key(b), b.evict_version, b) for b in live]
-        heapq.heapify(self._heap)
+        self._heaps, self._live, self._total = {}, {}, 0
+        for block in live:
+            self.add(block)
+
+    def _top(self, owner: str | None) -> Entry:
+        heap = self._heaps[owner]
+        while not self._is_live(heap[0]):
+            heapq.heappop(heap)
+        return heap[0]
 
     @staticmethod
-    def _is_live(entry: tuple[tuple[float, ...], int, Block]) -> bool:
+    def _is_live(entry: Entry) -> bool:
         _, version, block = entry
         return block.state is BlockState.CACHED and block.evict_version == version

@@ -63,6 +63,9 @@ def check_invariants(bm: BlockManager) -> None:
         block = bm.blocks[bid]
         if block.hash != block_hash or block.state not in (BlockState.FULL, BlockState.CACHED):
             problems.append(f"prefix-cache map entry points to block {bid} in state {block.state.name}")
+    owners = Counter(block.owner for block in bm.blocks if block.owner is not None)
+    if {t: c for t, c in bm.owned.items() if c} != dict(owners):
+        problems.append(f"owned counts {dict(bm.owned)} disagree with block owners {dict(owners)}")
     counted = {s: c for s, c in bm.state_counts.items() if c}
     if counted != {s: c for s, c in actual_counts.items() if c}:
         problems.append(f"state counts {dict(bm.state_counts)} disagree with the blocks {dict(actual_counts)}")

@@ -75,7 +75,8 @@ class Scheduler:
             seq = self.running[index]
             num_new = min(seq.num_uncomputed, budget)
             while not self.bm.append_slots(seq.seq_id, seq.num_computed_tokens + num_new):
-                victim = self.running.pop()
+                victim = self._victim(seq, index)
+                self.running.remove(victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -87,15 +88,19 @@ class Scheduler:
                 continue
             break
 
+        skipped: list[Sequence] = []  # held back by their tenant's quota; others may go ahead
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            seq = self.waiting[0]
+            seq = self.waiting.popleft()
             hits, hashes = self.bm.lookup(seq.token_ids, seq.salt)
             num_cached = len(hits) * self.bm.block_size
             num_new = min(len(seq.token_ids) - num_cached, budget)
             if not self.bm.allocate(seq.seq_id, num_cached + num_new, tenant=seq.tenant, salt=seq.salt,
                                     hit_block_ids=hits, hashes=hashes):
+                if self.bm.quota_limited(seq.tenant):
+                    skipped.append(seq)
+                    continue
+                self.waiting.appendleft(seq)
                 break
-            self.waiting.popleft()
             if not seq.admitted:
                 seq.admitted = True
                 seq.num_cached_tokens = num_cached
@@ -105,7 +110,17 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _victim(self, needy: Sequence, first_unscheduled: int) -> Sequence:
+        """Whom to preempt so `needy` (at `first_unscheduled`) can grow: the most recently admitted
+        sequence not yet scheduled this step, or, when a tenant quota is what blocks `needy`, the
+        most recent such sequence of its own tenant (possibly `needy` itself)."""
+        candidates = self.running[first_unscheduled:]
+        if self.bm.quota_limited(needy.tenant):
+            return next(s for s in reversed(candidates) if s.tenant == needy.tenant)
+        return candidates[-1]
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-mode preemption: release the blocks (full ones stay cached), requeue first."""

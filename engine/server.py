@@ -69,6 +69,7 @@ class NormalizationBody(BaseModel):
 class TenantBody(BaseModel):
     cache_salt: str | None = Field(default=None, max_length=256,
                                    description="tenants with the same salt share prefix blocks; null = own salt")
+    quota_blocks: int | None = Field(default=None, description="most blocks the tenant may own; null = no quota")
 
 
 def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s: float = 30.0) -> FastAPI:
@@ -324,12 +325,14 @@ def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s
     async def admin_tenant(tenant: str, body: TenantBody,
                            authorization: str | None = Header(default=None)) -> JSONResponse:
         def change() -> None:
+            engine.set_tenant_quota(tenant, body.quota_blocks)
             if body.cache_salt is None:
                 engine.tenant_salts.pop(tenant, None)
             else:
                 engine.tenant_salts[tenant] = body.cache_salt
 
-        return await admin_change(authorization, change, knob="tenant", tenant=tenant, cache_salt=body.cache_salt)
+        return await admin_change(authorization, change, knob="tenant", tenant=tenant, cache_salt=body.cache_salt,
+                                  quota_blocks=body.quota_blocks)
 
     return app
 

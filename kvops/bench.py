@@ -429,7 +429,7 @@ class Bench:
         # A fresh cache salt per run: no prefix-cache hits on blocks left by an earlier run or system
         # (sharing between the requests of one run stays on, as in transformers' continuous batching).
         self._salt += 1
-        salt = f"kvops-bench-{self._salt}"
+        tenant = f"kvops-bench-{self._salt}"  # a tenant's name is its default cache salt
         preemptions = engine.scheduler.preemptions_total
         half = math.ceil(w.num_requests / 2)
         done: dict[str, Any] = {}
@@ -437,7 +437,7 @@ class Bench:
         sampling_s = 0.0
         started = time.perf_counter()
         ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-                                  cache_salt=salt)
+                                  tenant=tenant)
                for p, n in zip(w.prompts, w.max_tokens, strict=True)]
         while engine.has_unfinished():
             for out in engine.step():

@@ -114,7 +114,9 @@ class TenantStats(BaseModel):
     prompt_tokens_total: int = 0
     hit_tokens_total: int = 0
     hit_rate: float = 0.0
-    blocks_held: int = 0
+    blocks_held: int = 0  # distinct blocks its live sequences reference
+    blocks_owned: int = 0  # blocks it allocated that are not free yet (cached ones included): what a quota caps
+    quota_blocks: int | None = None
     evictions_caused: int = 0
     evictions_suffered: int = 0
 
