@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import structlog
 
 from kvops.engine.engine import LLMEngine, RequestOutput
+from kvops.engine.metrics import EngineMetrics
 from kvops.engine.sampling import SamplingParams
 
 log = structlog.get_logger("kvops.engine.loop")
@@ -37,9 +38,9 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_timing: Callable[[str, str, float], None] | None = None) -> None:
+    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None) -> None:
         self.engine = engine
-        self.on_timing = on_timing  # (kind: "ttft" | "itl" | "e2e", tenant, seconds)
+        self.metrics = metrics  # request latencies are observed as outputs are dispatched
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
             queue.SimpleQueue()
         )
@@ -155,12 +156,19 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            if self.on_timing is not None:
-                if stream.last_token is None:
-                    self.on_timing("ttft", stream.tenant, now - stream.arrival)
-                else:
-                    self.on_timing("itl", stream.tenant, now - stream.last_token)
-                if out.finished:
-                    self.on_timing("e2e", stream.tenant, now - stream.arrival)
+            if self.metrics is not None:
+                self._observe(stream, out, now)
             stream.last_token = now
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+    def _observe(self, stream: _Stream, out: RequestOutput, now: float) -> None:
+        metrics = self.metrics
+        assert metrics is not None
+        if stream.last_token is None:
+            metrics.observe_time_to_first_token(stream.tenant, now - stream.arrival)
+        else:
+            metrics.observe_inter_token_latency(stream.tenant, now - stream.last_token)
+        if out.finished:
+            metrics.observe_e2e_latency(stream.tenant, now - stream.arrival)
+            metrics.observe_request_finished(stream.tenant, len(out.prompt_token_ids), len(out.token_ids),
+                                             out.finish_reason or "unknown")

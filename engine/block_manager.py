@@ -72,13 +72,14 @@ class BlockManager:
 
     def num_allocatable(self, tenant: str | None = None) -> int:
         """Blocks an allocation for `tenant` can take right now: free, pending reclaim and cached
-        (evictable). A tenant with a quota only gets free blocks up to its quota, and only its
-        own cached blocks: it never evicts another tenant's."""
-        free = len(self.free_queue) + len(self.pending_free)
+        (evictable). A tenant with a quota grows (from free blocks, or by the eviction policy)
+        only up to its quota; at its quota it can only recycle its own cached blocks."""
+        free = len(self.free_queue) + len(self.pending_free) + len(self.evictor)
         quota = self.quotas.get(tenant) if tenant is not None else None
         if quota is None:
-            return free + len(self.evictor)
-        return min(free, max(0, quota - self.owned[tenant])) + self.evictor.count(tenant)  # type: ignore[index]
+            return free
+        own_cached = self.evictor.count(tenant)
+        return min(free - own_cached, max(0, quota - self.owned[tenant])) + own_cached  # type: ignore[index]
 
     def quota_limited(self, tenant: str) -> bool:
         """True when the tenant's quota, not the pool, is what stops its next allocation."""
@@ -295,7 +296,7 @@ class BlockManager:
                 block = self.blocks[self.free_queue.pop()]
                 self._set_state(block, BlockState.FILLING)
                 return block
-        block = self.evictor.pop(tenant if quota is not None else ANY_OWNER)
+        block = self.evictor.pop(tenant if at_quota else ANY_OWNER)
         self.evictions_total += 1
         victim = block.owner or DEFAULT_TENANT
         if victim != tenant:

@@ -372,6 +372,7 @@ class LLMEngine:
                 blocks_held=held.get(name, 0),
                 blocks_owned=bm.owned.get(name, 0),
                 quota_blocks=bm.quotas.get(name),
+                cache_salt=self.salt_for(name),
                 evictions_caused=evictions.evictions_caused if evictions else 0,
                 evictions_suffered=evictions.evictions_suffered if evictions else 0,
             )

@@ -11,7 +11,7 @@ import contextlib
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import structlog
@@ -20,10 +20,12 @@ from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvops.engine.async_engine import AsyncEngine
 from kvops.engine.engine import LLMEngine, RequestOutput
 from kvops.engine.errors import EngineError, InvalidRequestError
+from kvops.engine.metrics import EngineMetrics
 from kvops.engine.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -76,12 +78,8 @@ def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s
     """The ASGI app around one engine. Its step loop starts and stops with the app's lifespan."""
     from contextlib import asynccontextmanager
 
-    from kvops.engine.metrics import EngineMetrics
-
     metrics = EngineMetrics(lambda: engine.snapshot())
-    timing = {"ttft": metrics.observe_time_to_first_token, "itl": metrics.observe_inter_token_latency,
-              "e2e": metrics.observe_e2e_latency}
-    runner = AsyncEngine(engine, on_timing=lambda kind, tenant, seconds: timing[kind](tenant, seconds))
+    runner = AsyncEngine(engine, metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -107,6 +105,11 @@ def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s
         given = first.get("input")
         shown = f" (got {json.dumps(given)[:80]})" if given is not None and not isinstance(given, dict) else ""
         return _error(400, f"{field or 'body'}: {message}{shown}", field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _error(exc.status_code, str(exc.detail), None, kind)
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
@@ -173,16 +176,17 @@ def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s
         params = sampling_params(body, body.max_tokens)
         tenant = tenant_of(body.user, x_tenant)
         prompt = await runner.run(lambda: engine.prepare_prompt(prompt, tenant))
-        outputs = runner.generate(prompt, params, tenant=tenant)
-        if body.stream:
-            return StreamingResponse(stream_completion(body, outputs), media_type="text/event-stream")
-        out = await run_to_end(request, outputs)
-        if out is None:
-            return Response(status_code=499)
-        return JSONResponse(CompletionResponse(
-            id=out.request_id, model=engine.model_name, usage=usage(out),
-            choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason)],
-        ).model_dump())
+        return await respond(
+            request, body, runner.generate(prompt, params, tenant=tenant),
+            chunk=lambda out, delta, first: CompletionResponse(
+                id=out.request_id, model=engine.model_name,
+                choices=[CompletionChoice(text=delta, finish_reason=out.finish_reason)]),
+            usage_chunk=lambda out: CompletionResponse(id=out.request_id, model=engine.model_name, choices=[],
+                                                       usage=usage(out)),
+            whole=lambda out: CompletionResponse(
+                id=out.request_id, model=engine.model_name, usage=usage(out),
+                choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason)]),
+        )
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request,
@@ -193,16 +197,37 @@ def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s
         tenant = tenant_of(body.user, x_tenant)
         messages = [m.model_dump() for m in body.messages]
         prompt = await runner.run(lambda: engine.prepare_chat(messages, tenant))
-        outputs = runner.generate(prompt, params, tenant=tenant)
+        return await respond(
+            request, body, runner.generate(prompt, params, tenant=tenant),
+            chunk=lambda out, delta, first: ChatCompletionChunk(
+                id=out.request_id, model=engine.model_name,
+                choices=[ChatChunkChoice(delta=ChatDelta(role="assistant" if first else None, content=delta),
+                                         finish_reason=out.finish_reason)]),
+            usage_chunk=lambda out: ChatCompletionChunk(id=out.request_id, model=engine.model_name, choices=[],
+                                                        usage=usage(out)),
+            whole=lambda out: ChatCompletionResponse(
+                id=out.request_id, model=engine.model_name, usage=usage(out),
+                choices=[ChatChoice(message=ChatResponseMessage(content=out.text),
+                                    finish_reason=out.finish_reason)]),
+        )
+
+    async def respond(
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        outputs: AsyncIterator[RequestOutput],
+        chunk: Callable[[RequestOutput, str, bool], BaseModel],
+        usage_chunk: Callable[[RequestOutput], BaseModel],
+        whole: Callable[[RequestOutput], BaseModel],
+    ) -> Response:
+        """Stream SSE chunks, or wait for the whole completion (aborting it if the client leaves)."""
         if body.stream:
-            return StreamingResponse(stream_chat(body, outputs), media_type="text/event-stream")
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(stream_events(outputs, chunk, usage_chunk if include_usage else None),
+                                     media_type="text/event-stream")
         out = await run_to_end(request, outputs)
         if out is None:
             return Response(status_code=499)
-        return JSONResponse(ChatCompletionResponse(
-            id=out.request_id, model=engine.model_name, usage=usage(out),
-            choices=[ChatChoice(message=ChatResponseMessage(content=out.text), finish_reason=out.finish_reason)],
-        ).model_dump())
+        return JSONResponse(whole(out).model_dump())
 
     def sse(payload: BaseModel | str) -> str:
         data = payload if isinstance(payload, str) else payload.model_dump_json(exclude_none=False)
@@ -218,32 +243,18 @@ def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s
             delta, sent = text[len(sent):] if text.startswith(sent) else text, text
             yield delta, out
 
-    async def stream_completion(body: CompletionRequest, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
-        try:
-            async for delta, out in text_deltas(outputs):
-                chunk = CompletionResponse(id=out.request_id, model=engine.model_name, choices=[
-                    CompletionChoice(text=delta, finish_reason=out.finish_reason)])
-                yield sse(chunk)
-                if out.finished and body.stream_options and body.stream_options.include_usage:
-                    yield sse(CompletionResponse(id=out.request_id, model=engine.model_name, choices=[],
-                                                 usage=usage(out)))
-            yield sse("[DONE]")
-        except EngineError as exc:
-            yield sse(json.dumps({"error": {"message": str(exc), "type": "engine_error"}}))
-        finally:
-            await outputs.aclose()
-
-    async def stream_chat(body: ChatCompletionRequest, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+    async def stream_events(
+        outputs: AsyncIterator[RequestOutput],
+        chunk: Callable[[RequestOutput, str, bool], BaseModel],
+        usage_chunk: Callable[[RequestOutput], BaseModel] | None,
+    ) -> AsyncIterator[str]:
         first = True
         try:
             async for delta, out in text_deltas(outputs):
-                choice = ChatChunkChoice(delta=ChatDelta(role="assistant" if first else None, content=delta),
-                                         finish_reason=out.finish_reason)
+                yield sse(chunk(out, delta, first))
                 first = False
-                yield sse(ChatCompletionChunk(id=out.request_id, model=engine.model_name, choices=[choice]))
-                if out.finished and body.stream_options and body.stream_options.include_usage:
-                    yield sse(ChatCompletionChunk(id=out.request_id, model=engine.model_name, choices=[],
-                                                  usage=usage(out)))
+                if out.finished and usage_chunk is not None:
+                    yield sse(usage_chunk(out))
             yield sse("[DONE]")
         except EngineError as exc:
             yield sse(json.dumps({"error": {"message": str(exc), "type": "engine_error"}}))

@@ -117,6 +117,7 @@ class TenantStats(BaseModel):
     blocks_held: int = 0  # distinct blocks its live sequences reference
     blocks_owned: int = 0  # blocks it allocated that are not free yet (cached ones included): what a quota caps
     quota_blocks: int | None = None
+    cache_salt: str = ""  # tenants with equal salts share prefix blocks
     evictions_caused: int = 0
     evictions_suffered: int = 0
 
