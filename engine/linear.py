@@ -28,8 +28,9 @@ def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     # Computed as (W @ x^T)^T: the same values bit for bit, but oneDNN blocks the few-row decode
     # case much better this way round (16 rows × 3072 × 576: 407 µs against 570 µs).
-    out = torch.ops.mkldnn._linear_pointwise(weight, x, None, "none", [], "").t().contiguous()
-    return out if bias is None else out.add_(bias)
+    # The result is a transposed view; callers that need a contiguous layout ask for one.
+    out = torch.ops.mkldnn._linear_pointwise(weight, x, None, "none", [], "").t()
+    return out if bias is None else out + bias
 
 
 def select_linear(device: torch.device, dtype: torch.dtype) -> tuple[str, Linear]:

@@ -129,7 +129,7 @@ class LlamaModel:
         x = F.embedding(input_ids, self.embed)
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)
-            qkv = linear(h, layer.qkv, layer.qkv_bias)
+            qkv = linear(h, layer.qkv, layer.qkv_bias).contiguous()  # heads are viewed out of it below
             # RoPE on q and k heads in one go: they are adjacent in the fused projection.
             qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
             qk = qk * cos + _rotate_half(qk) * sin
