@@ -391,12 +391,7 @@ class LLMEngine:
             ),
             blocks=BlockStats(counts=counts, usage=in_use / bm.num_blocks, state_map=encode_block_map(bm.state_map()),
                               allocated_slots=allocated, used_slots=used),
-            prefix_cache=self.stats.prefix_cache(bm.evictions_total).model_copy(update={
-                "normalization": self.normalization.value,
-                "shadow_queries_total": self.shadow.queries_total,
-                "shadow_hits_total": self.shadow.hits_total,
-                "shadow_hit_rate": self.shadow.hit_rate,
-            }),
+            prefix_cache=self.stats.prefix_cache(bm.evictions_total, self.normalization.value, self.shadow),
             requests=RequestStats(
                 running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                 finished_total=self.stats.finished_total, aborted_total=self.stats.aborted_total,

@@ -7,6 +7,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from kvops.engine.shadow_cache import ShadowPrefixCache
 from kvops.snapshot import Histogram, PrefixCacheStats, StepSample
 
 PROMPT_LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -64,7 +65,7 @@ class EngineStats:
         self.steps.append(sample)
         self.generation_tokens_total += generated_tokens
 
-    def prefix_cache(self, evictions_total: int) -> PrefixCacheStats:
+    def prefix_cache(self, evictions_total: int, normalization: str, shadow: ShadowPrefixCache) -> PrefixCacheStats:
         cutoff = time.monotonic() - self.window_s
         while self._prefix_window and self._prefix_window[0][0] < cutoff:
             self._prefix_window.popleft()
@@ -79,6 +80,10 @@ class EngineStats:
             window_hits=window_hits,
             window_hit_rate=window_hits / window_queries if window_queries else 0.0,
             evictions_total=evictions_total,
+            normalization=normalization,
+            shadow_queries_total=shadow.queries_total,
+            shadow_hits_total=shadow.hits_total,
+            shadow_hit_rate=shadow.hit_rate,
         )
 
     def prompt_lengths(self) -> Histogram:
