@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from kvops.engine.config import DTYPES, EngineConfig
+from kvops.engine.config import DTYPES, PREEMPTION_MODES, EngineConfig
+from kvops.kernels.kv_cache import KV_CACHE_DTYPES
+from kvops.kernels.quantization import INT4_GROUP_SIZES
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +32,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--normalize-prompts", choices=("off", "shadow", "on"), default="off",
                    help="canonicalize whitespace before tokenization; shadow = only count the hit rate it would "
                         "give (default: %(default)s)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV storage: auto (the model dtype), int8 (scale per token and head), fp8 (e4m3, scale 1.0 "
+                        "per layer), int4 (grouped, asymmetric) (default: %(default)s)")
+    g.add_argument("--kv-cache-group-size", type=int, choices=INT4_GROUP_SIZES, default=32,
+                   help="int4 KV: channels per scale and zero point (default: %(default)s)")
+    g.add_argument("--kv-cache-dtype-skip-layers", default="",
+                   help="layers whose K/V stay in the model dtype, e.g. 0,5 or model.layers.5 (the fix for a layer "
+                        "the KV error profile flags)")
+    g.add_argument("--swap-space", default="0",
+                   help="host memory for swapped-out KV blocks, e.g. 1GiB (default: none)")
+    g.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=None,
+                   help="what preemption does to a sequence's KV: swap it to the host pool or drop and recompute "
+                        "it (default: swap when --swap-space is set, else recompute)")
     g.add_argument("--seed", type=int, default=0, help="global sampling seed (default: %(default)s)")
 
 
@@ -46,4 +61,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         eviction_policy=args.eviction_policy,
         normalize_prompts=args.normalize_prompts,
         seed=args.seed,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_group_size=args.kv_cache_group_size,
+        kv_cache_dtype_skip_layers=args.kv_cache_dtype_skip_layers,
+        swap_space=args.swap_space,
+        preemption_mode=args.preemption_mode,
     )

@@ -11,7 +11,7 @@ class BlockState(enum.Enum):
     FULL = "full"  # every slot written, referenced by at least one sequence
     CACHED = "cached"  # full, unreferenced, kept for prefix reuse, evictable
     PENDING_FREE = "pending_free"  # released by an abort, reclaimed in a batch
-    SWAPPED = "swapped"  # content moved to the host pool
+    SWAPPED = "swapped"  # a host-pool block holding a swapped-out sequence's K/V (device blocks never are)
 
     @property
     def code(self) -> str:
@@ -30,7 +30,8 @@ _CODES = {
 
 
 class Block:
-    """Bookkeeping for one block of the device pool; the K/V data lives in the pool tensor."""
+    """Bookkeeping for one block of the device pool or the host (swap) pool; the K/V data lives in
+    the pool tensors."""
 
     __slots__ = ("block_id", "depth", "evict_version", "freq", "hash", "last_access", "owner", "ref_count", "state")
 

@@ -1,7 +1,8 @@
-"""The block manager: which sequence holds which blocks, prefix caching and eviction.
+"""The block manager: which sequence holds which blocks, prefix caching, eviction and host swap.
 
-Every state transition of a block happens in `_set_state`, so the counts per state, the free
-queue, the evictor and the prefix-cache map can never disagree with the blocks themselves.
+Every state transition of a device block happens in `_set_state`, so the counts per state, the
+free queue, the evictor and the prefix-cache map can never disagree with the blocks themselves.
+Host blocks (the swap pool) are FREE or SWAPPED and change state only in `_set_host_state`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ DEFAULT_TENANT = "default"
 
 @dataclass
 class SeqBlocks:
-    """The block table of one live sequence, plus the hashes of its full blocks."""
+    """The block table of one live sequence, plus the hashes of its full blocks. For a swapped-out
+    sequence the table holds host block ids."""
 
     seq_id: str
     tenant: str
@@ -45,9 +47,12 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         eviction_policy: str = "lru",
         clock: Callable[[], float] = time.monotonic,
+        num_host_blocks: int = 0,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token (got {num_blocks} × {block_size})")
+        if num_host_blocks < 0:
+            raise ValueError(f"the host pool cannot have a negative size (got {num_host_blocks} blocks)")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -63,6 +68,16 @@ class BlockManager:
         self.evictions_total = 0
         self.quotas: dict[str, int] = {}  # tenant -> most blocks it may own; such a tenant is isolated
         self.owned: Counter[str] = Counter()  # tenant -> blocks it allocated that are not FREE yet
+        self.allocations_total = 0  # device blocks handed out, for any reason
+        # The host pool: where preempted sequences keep their K/V until they are swapped back in.
+        self.num_host_blocks = num_host_blocks
+        self.host_blocks = [Block(i) for i in range(num_host_blocks)]
+        self.host_free_queue = FreeBlockQueue(range(num_host_blocks))
+        self.host_state_counts: Counter[BlockState] = Counter({BlockState.FREE: num_host_blocks})
+        self.swapped: dict[str, SeqBlocks] = {}  # host block tables of swapped-out sequences
+        self.swap_out_blocks_total = 0  # device -> host copies
+        self.swap_in_blocks_total = 0  # host -> device copies
+        self.swap_in_reused_total = 0  # host blocks found in the device prefix cache: no copy
 
     # ------------------------------------------------------------------ queries
 
@@ -70,15 +85,20 @@ class BlockManager:
     def eviction_policy(self) -> str:
         return self.evictor.policy.name
 
-    def num_allocatable(self, tenant: str | None = None) -> int:
+    def num_allocatable(self, tenant: str | None = None, reusing: Sequence[int] = ()) -> int:
         """Blocks an allocation for `tenant` can take right now: free, pending reclaim and cached
         (evictable). A tenant with a quota grows (from free blocks, or by the eviction policy)
-        only up to its quota; at its quota it can only recycle its own cached blocks."""
-        free = len(self.free_queue) + len(self.pending_free) + len(self.evictor)
+        only up to its quota; at its quota it can only recycle its own cached blocks.
+
+        `reusing`: blocks the allocation takes from the prefix cache before anything else. Those
+        that are CACHED leave the evictor first, so they cannot also be counted as evictable.
+        """
+        reused_cached = [self.blocks[b] for b in reusing if self.blocks[b].state is BlockState.CACHED]
+        free = len(self.free_queue) + len(self.pending_free) + len(self.evictor) - len(reused_cached)
         quota = self.quotas.get(tenant) if tenant is not None else None
         if quota is None:
             return free
-        own_cached = self.evictor.count(tenant)
+        own_cached = self.evictor.count(tenant) - sum(1 for b in reused_cached if b.owner == tenant)
         return min(free - own_cached, max(0, quota - self.owned[tenant])) + own_cached  # type: ignore[index]
 
     def quota_limited(self, tenant: str) -> bool:
@@ -90,6 +110,14 @@ class BlockManager:
 
     def state_map(self) -> str:
         return "".join(block.state.code for block in self.blocks)
+
+    def host_state_map(self) -> str:
+        return "".join(block.state.code for block in self.host_blocks)
+
+    @property
+    def num_swapped_blocks(self) -> int:
+        """Host blocks holding a swapped-out sequence's K/V."""
+        return self.host_state_counts[BlockState.SWAPPED]
 
     def blocks_held(self) -> Counter[str]:
         """Distinct blocks referenced by each tenant's live sequences."""
@@ -136,27 +164,17 @@ class BlockManager:
 
         All or nothing: returns False and changes nothing when the blocks are not there.
         """
-        if seq_id in self.seqs:
+        if seq_id in self.seqs or seq_id in self.swapped:
             raise ValueError(f"sequence {seq_id!r} already holds blocks")
         needed = max(0, -(-num_tokens // self.block_size) - len(hit_block_ids))
-        isolated = tenant in self.quotas
-        reusable_from_cache = sum(
-            1 for b in hit_block_ids
-            if self.blocks[b].state is BlockState.CACHED and (not isolated or self.blocks[b].owner == tenant)
-        )
-        if needed > self.num_allocatable(tenant) - reusable_from_cache:
+        if needed > self.num_allocatable(tenant, reusing=hit_block_ids):
             return False
         seq = SeqBlocks(seq_id, tenant, salt, hashes=list(hashes))
         self.seqs[seq_id] = seq
         self.tenants.setdefault(tenant, TenantBlockStats())
         now = self.clock()
         for depth, block_id in enumerate(hit_block_ids):
-            block = self.blocks[block_id]
-            if block.state is BlockState.CACHED:
-                self._set_state(block, BlockState.FULL)
-            block.ref_count += 1
-            self.evictor.policy.on_hit(block, now)
-            block.depth = depth
+            self._claim(self.blocks[block_id], depth, now)
             seq.block_ids.append(block_id)
         seq.num_full = len(hit_block_ids)
         self._grow(seq, needed, now)
@@ -201,8 +219,10 @@ class BlockManager:
         Returns the (source, destination) block copies the caller must perform, or None
         when there is no block for the copy.
         """
+        if parent_id in self.swapped:
+            raise ValueError(f"sequence {parent_id!r} is swapped out: swap it in before forking it")
         parent = self.seqs[parent_id]
-        if child_id in self.seqs:
+        if child_id in self.seqs or child_id in self.swapped:
             raise ValueError(f"sequence {child_id!r} already holds blocks")
         shared = parent.block_ids[: parent.num_full]
         partial = parent.block_ids[parent.num_full :]
@@ -217,6 +237,95 @@ class BlockManager:
         now = self.clock()
         self._grow(child, len(partial), now)
         return list(zip(partial, child.block_ids[len(shared) :], strict=True))
+
+    # -------------------------------------------------------------------- swap
+
+    def can_swap_out(self, seq_id: str) -> bool:
+        """The host pool has a free block for every block of the sequence's table."""
+        return len(self.seqs[seq_id].block_ids) <= len(self.host_free_queue)
+
+    def swap_out(self, seq_id: str) -> list[tuple[int, int]]:
+        """Move a sequence's K/V to the host pool; returns the (device block, host block) copies the
+        caller must perform before any device block is written again (before the next forward pass).
+
+        Every block gets its own host copy, shared ones too, so the host table never depends on what
+        other sequences keep on the device. The device blocks are then released as by `free`: full
+        hashed ones stay CACHED, so a swap-in may find them again without a copy.
+        """
+        seq = self.seqs[seq_id]
+        if not self.can_swap_out(seq_id):
+            raise ValueError(f"sequence {seq_id!r} needs {len(seq.block_ids)} host blocks, "
+                             f"the host pool has {len(self.host_free_queue)} free")
+        host_seq = SeqBlocks(seq_id, seq.tenant, seq.salt, hashes=list(seq.hashes), num_full=seq.num_full)
+        copies: list[tuple[int, int]] = []
+        for index, block_id in enumerate(seq.block_ids):
+            host = self._take_host_block()
+            host.ref_count = 1
+            host.hash = self._content_hash(seq, index)
+            host.owner = self.blocks[block_id].owner
+            host.depth = index
+            host_seq.block_ids.append(host.block_id)
+            copies.append((block_id, host.block_id))
+        self._release(seq_id, aborted=False)
+        self.swapped[seq_id] = host_seq
+        self.swap_out_blocks_total += len(copies)
+        return copies
+
+    def swap_in(self, seq_id: str, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Give a swapped-out sequence a device table again, covering its host table and `num_tokens`.
+
+        Returns the (host block, device block) copies the caller must perform before the forward
+        pass, or None, changing nothing, when the device blocks (within the tenant's quota) are not
+        there. A full block whose key is in the prefix cache is taken from there, without a copy.
+        """
+        host_seq = self.swapped[seq_id]
+        tenant = host_seq.tenant
+        num_blocks = max(len(host_seq.block_ids), -(-num_tokens // self.block_size))
+        reused: dict[int, int] = {}  # index in the table -> cached device block with the same content
+        if self.enable_prefix_caching:
+            for index, host_id in enumerate(host_seq.block_ids):
+                block_hash = self.host_blocks[host_id].hash
+                if block_hash is not None and block_hash in self.cached:
+                    reused[index] = self.cached[block_hash]
+        if num_blocks - len(reused) > self.num_allocatable(tenant, reusing=list(reused.values())):
+            return None
+
+        del self.swapped[seq_id]
+        seq = SeqBlocks(seq_id, tenant, host_seq.salt, hashes=list(host_seq.hashes), num_full=host_seq.num_full)
+        self.seqs[seq_id] = seq
+        self.tenants.setdefault(tenant, TenantBlockStats())
+        now = self.clock()
+        table: list[int | None] = [None] * num_blocks
+        # Claim the reused blocks before taking new ones, so that no eviction can take them.
+        for index, block_id in reused.items():
+            self._claim(self.blocks[block_id], index, now)
+            table[index] = block_id
+        copies: list[tuple[int, int]] = []
+        for index in range(num_blocks):
+            if table[index] is not None:
+                continue
+            block = self._new_block(tenant, index, now)
+            table[index] = block.block_id
+            if index >= len(host_seq.block_ids):
+                continue  # growth beyond the host table: nothing to copy
+            host = self.host_blocks[host_seq.block_ids[index]]
+            copies.append((host.block_id, block.block_id))
+            if index < seq.num_full:
+                self._set_state(block, BlockState.FULL)
+                if self.enable_prefix_caching and host.hash is not None and host.hash not in self.cached:
+                    block.hash = host.hash
+                    self.cached[host.hash] = block.block_id
+        seq.block_ids = [block_id for block_id in table if block_id is not None]
+        for host_id in host_seq.block_ids:
+            self._free_host_block(self.host_blocks[host_id])
+        self.swap_in_blocks_total += len(copies)
+        self.swap_in_reused_total += len(reused)
+        return copies
+
+    def drop_swapped(self, seq_id: str) -> None:
+        """A swapped-out sequence is aborted: its host blocks go FREE."""
+        for host_id in self.swapped.pop(seq_id).block_ids:
+            self._free_host_block(self.host_blocks[host_id])
 
     # ----------------------------------------------------------------- release
 
@@ -278,15 +387,28 @@ class BlockManager:
 
     def _grow(self, seq: SeqBlocks, count: int, now: float) -> None:
         for _ in range(count):
-            block = self._take_block(seq.tenant)
-            block.ref_count = 1
-            self._set_owner(block, seq.tenant)
-            block.depth = len(seq.block_ids)
-            block.last_access = now
-            block.freq = 1.0
-            seq.block_ids.append(block.block_id)
+            seq.block_ids.append(self._new_block(seq.tenant, len(seq.block_ids), now).block_id)
+
+    def _new_block(self, tenant: str, depth: int, now: float) -> Block:
+        """A FILLING block owned by `tenant` at `depth` of its sequence's table."""
+        block = self._take_block(tenant)
+        block.ref_count = 1
+        self._set_owner(block, tenant)
+        block.depth = depth
+        block.last_access = now
+        block.freq = 1.0
+        return block
+
+    def _claim(self, block: Block, depth: int, now: float) -> None:
+        """One more reference to a block found in the prefix cache (a cached one comes back to FULL)."""
+        if block.state is BlockState.CACHED:
+            self._set_state(block, BlockState.FULL)
+        block.ref_count += 1
+        self.evictor.policy.on_hit(block, now)
+        block.depth = depth
 
     def _take_block(self, tenant: str) -> Block:
+        self.allocations_total += 1
         quota = self.quotas.get(tenant)
         at_quota = quota is not None and self.owned[tenant] >= quota
         if not at_quota:
@@ -306,6 +428,35 @@ class BlockManager:
         self._set_owner(block, None)
         self._set_state(block, BlockState.FILLING, from_evictor=True)
         return block
+
+    def _content_hash(self, seq: SeqBlocks, index: int) -> BlockHash | None:
+        """The prefix-cache key of the sequence's block at `index` when it is full and known: the
+        block's own, else the sequence's (a block computed while an identical one held the key has none)."""
+        block_hash = self.blocks[seq.block_ids[index]].hash
+        if block_hash is None and index < min(seq.num_full, len(seq.hashes)):
+            block_hash = seq.hashes[index]
+        return block_hash
+
+    def _take_host_block(self) -> Block:
+        block = self.host_blocks[self.host_free_queue.pop()]
+        self._set_host_state(block, BlockState.SWAPPED)
+        return block
+
+    def _free_host_block(self, block: Block) -> None:
+        block.ref_count = 0
+        block.hash = None
+        block.owner = None
+        self._set_host_state(block, BlockState.FREE)
+        self.host_free_queue.push(block.block_id)
+
+    def _set_host_state(self, block: Block, state: BlockState) -> None:
+        """The one place a host block changes state."""
+        old = block.state
+        if old is state:
+            return
+        self.host_state_counts[old] -= 1
+        self.host_state_counts[state] += 1
+        block.state = state
 
     def _uncache(self, block: Block) -> None:
         if block.hash is not None:

@@ -16,9 +16,10 @@ import torch
 from kvops import __version__
 from kvops.engine.block import BlockState
 from kvops.engine.block_manager import DEFAULT_TENANT, BlockManager
-from kvops.engine.capacity import Capacity, kv_bytes_per_token, plan_capacity
+from kvops.engine.capacity import Capacity
 from kvops.engine.config import EngineConfig
 from kvops.engine.errors import ConfigError, InvalidRequestError
+from kvops.engine.kv_pool import allocate_kv_pool
 from kvops.engine.model import LlamaModel
 from kvops.engine.normalize import NormalizationMode, normalize_messages, normalize_prompt
 from kvops.engine.process_stats import read_process_stats
@@ -81,21 +82,17 @@ class LLMEngine:
         self.dtype = torch.float32 if config.dtype == "auto" else _TORCH_DTYPES[config.dtype]
         self.model = LlamaModel(hf, loaded.state_dict, self.dtype, self.max_model_len)
         del loaded
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        bytes_per_token = kv_bytes_per_token(self.model.num_layers, self.model.num_kv_heads,
-                                             self.model.head_dim, element)
-        self.capacity: Capacity = plan_capacity(config.kv_cache_memory, config.block_size, bytes_per_token,
-                                                self.max_model_len)
-        self.kv_cache = torch.zeros(
-            self.model.num_layers, 2, self.capacity.num_blocks, config.block_size,
-            self.model.num_kv_heads, self.model.head_dim, dtype=self.dtype,
-        )
+        self.kv_pool = allocate_kv_pool(config, self.model.num_layers, self.model.num_kv_heads,
+                                        self.model.head_dim, self.dtype, self.max_model_len)
+        self.capacity: Capacity = self.kv_pool.capacity
         self.block_manager = BlockManager(self.capacity.num_blocks, config.block_size,
-                                          config.enable_prefix_caching, config.eviction_policy)
+                                          config.enable_prefix_caching, config.eviction_policy,
+                                          num_host_blocks=self.kv_pool.num_host_blocks)
         self.stats = EngineStats()
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             on_admit=lambda seq, hits: self.stats.on_admit(seq.tenant, seq.prompt_len, hits),
+            preemption_mode=str(config.preemption_mode),
         )
         self.normalization = NormalizationMode(config.normalize_prompts)
         self.shadow = ShadowPrefixCache(self.capacity.num_blocks, config.block_size)
@@ -104,12 +101,23 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
         torch.manual_seed(config.seed)
-        log.info(self.capacity.describe(), model=self.model_name, dtype=str(self.dtype).removeprefix("torch."),
+        log.info(self.capacity.describe(), model=self.model_name, dtype=self.dtype_name,
+                 kv_cache_dtype=self.kv_cache_dtype_name,
+                 kv_cache_dtype_skip_layers=list(config.kv_cache_dtype_skip_layers),
                  block_size=config.block_size, num_blocks=self.capacity.num_blocks,
-                 tokens=self.capacity.tokens, bytes_per_token=bytes_per_token,
+                 tokens=self.capacity.tokens, bytes_per_token=self.capacity.bytes_per_token,
+                 host_blocks=self.kv_pool.num_host_blocks, preemption_mode=config.preemption_mode,
                  max_model_len=self.max_model_len,
                  max_concurrency=round(self.capacity.max_concurrency, 2),
                  load_s=round(time.monotonic() - started, 2))
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def kv_cache_dtype_name(self) -> str:
+        return self.dtype_name if self.config.kv_cache_dtype == "auto" else self.config.kv_cache_dtype
 
     def _eos_token_ids(self, hf: Any) -> set[int]:
         ids: set[int] = set()
@@ -229,11 +237,15 @@ class LLMEngine:
         started = time.perf_counter()
         self.block_manager.reclaim_pending()
         plan = self.scheduler.schedule()
+        # Swap-outs read device blocks this step's allocations may already have handed to someone else:
+        # they go first (even when nothing runs this step), then swap-ins, then the forward pass writes.
+        self.kv_pool.swap_out(plan.blocks_to_swap_out)
+        self.kv_pool.swap_in(plan.blocks_to_swap_in)
         if not plan.scheduled:
             return []
         ordered = sorted(plan.scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first (stable)
         input_ids, positions, meta, logits_indices, sampled = self._prepare(ordered)
-        logits = self.model.forward(input_ids, positions, meta, self.kv_cache, logits_indices)
+        logits = self.model.forward(input_ids, positions, meta, self.kv_pool.device, logits_indices)
         for item in ordered:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
@@ -245,6 +257,8 @@ class LLMEngine:
             num_tokens=plan.num_tokens, decode_only=all(s.num_new_tokens == 1 for s in ordered),
             max_context_len=max(s.seq.num_computed_tokens for s in ordered),
         ), generated_tokens=len(sampled))
+        bm = self.block_manager
+        self.stats.on_swap_counters(bm.swap_out_blocks_total, bm.swap_in_blocks_total, bm.allocations_total)
         return outputs
 
     def _prepare(
@@ -355,6 +369,7 @@ class LLMEngine:
     def snapshot(self, include_gpu: bool = True) -> Snapshot:
         bm = self.block_manager
         counts = {state.value: bm.state_counts[state] for state in BlockState}
+        counts[BlockState.SWAPPED.value] = bm.num_swapped_blocks  # host blocks: device blocks are never swapped
         allocated, used = self.kv_slots()
         in_use = counts["filling"] + counts["full"]
         held = bm.blocks_held()
@@ -381,12 +396,14 @@ class LLMEngine:
             uptime_s=time.time() - self.started_at,
             engine=EngineInfo(
                 model=self.model_name, engine_version=__version__, pid=os.getpid(), started_at=self.started_at,
-                device="cpu", dtype=str(self.dtype).removeprefix("torch."),
-                kv_cache_dtype=str(self.dtype).removeprefix("torch."), block_size=self.config.block_size,
+                device="cpu", dtype=self.dtype_name, kv_cache_dtype=self.kv_cache_dtype_name,
+                kv_cache_dtype_skip_layers=list(self.config.kv_cache_dtype_skip_layers),
+                block_size=self.config.block_size,
                 num_blocks=bm.num_blocks, max_model_len=self.max_model_len,
                 max_num_seqs=self.config.max_num_seqs,
                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                 kv_cache_bytes=self.capacity.pool_bytes, bytes_per_token=self.capacity.bytes_per_token,
+                host_kv_cache_bytes=self.kv_pool.host_pool_bytes,
                 enable_prefix_caching=bm.enable_prefix_caching, eviction_policy=bm.eviction_policy,
             ),
             blocks=BlockStats(counts=counts, usage=in_use / bm.num_blocks, state_map=encode_block_map(bm.state_map()),
@@ -401,7 +418,15 @@ class LLMEngine:
             ),
             prompt_lengths=self.stats.prompt_lengths(),
             steps=list(self.stats.steps),
-            swap=SwapStats(),
+            swap=SwapStats(
+                preemption_mode=str(self.config.preemption_mode), host_blocks=bm.num_host_blocks,
+                swapped_blocks=bm.num_swapped_blocks, swapped_seqs=len(self.scheduler.swapped),
+                swap_out_total=bm.swap_out_blocks_total, swap_in_total=bm.swap_in_blocks_total,
+                swap_in_reused_total=bm.swap_in_reused_total,
+                swap_preemptions_total=self.scheduler.swap_preemptions_total,
+                swap_fallbacks_total=self.scheduler.swap_fallbacks_total,
+                window=self.stats.swap_window(), host_state_map=encode_block_map(bm.host_state_map()),
+            ),
             tenants=tenants,
             process=read_process_stats(include_gpu),
         )

@@ -71,5 +71,48 @@ def check_invariants(bm: BlockManager) -> None:
         problems.append(f"state counts {dict(bm.state_counts)} disagree with the blocks {dict(actual_counts)}")
     if sum(actual_counts.values()) != bm.num_blocks:
         problems.append("free + in use + cached + pending does not add up to the pool")
+    if actual_counts[BlockState.SWAPPED]:
+        problems.append(f"{actual_counts[BlockState.SWAPPED]} device blocks are SWAPPED")
+    _check_host_pool(bm, problems)
     if problems:
         raise InvariantError("; ".join(problems[:10]))
+
+
+def _check_host_pool(bm: BlockManager, problems: list[str]) -> None:
+    """The host pool: each block FREE and queued, or SWAPPED and held by exactly one swapped table."""
+    if set(bm.swapped) & set(bm.seqs):
+        problems.append(f"sequences {sorted(set(bm.swapped) & set(bm.seqs))} are both swapped and on the device")
+    holders: Counter[int] = Counter()
+    for seq in bm.swapped.values():
+        holders.update(seq.block_ids)
+        if seq.num_full > len(seq.block_ids):
+            problems.append(f"swapped sequence {seq.seq_id} has {seq.num_full} full blocks in a table of "
+                            f"{len(seq.block_ids)}")
+    free = list(bm.host_free_queue)
+    free_set = set(free)
+    if len(free) != len(free_set):
+        problems.append("a host block is in the host free queue twice")
+    if len(bm.host_blocks) != bm.num_host_blocks:
+        problems.append(f"the host pool has {len(bm.host_blocks)} blocks, not {bm.num_host_blocks}")
+    actual_counts: Counter[BlockState] = Counter()
+    for block in bm.host_blocks:
+        bid, state = block.block_id, block.state
+        actual_counts[state] += 1
+        if state not in (BlockState.FREE, BlockState.SWAPPED):
+            problems.append(f"host block {bid} is {state.name}")
+        if (bid in free_set) != (state is BlockState.FREE):
+            where = "in" if bid in free_set else "not in"
+            problems.append(f"host block {bid} is {state.name} and {where} the host free queue")
+        if (holders[bid] == 1) != (state is BlockState.SWAPPED):
+            problems.append(f"host block {bid} is {state.name} and held by {holders[bid]} swapped sequences")
+        expected_refs = 1 if state is BlockState.SWAPPED else 0
+        if block.ref_count != expected_refs:
+            problems.append(f"host block {bid} is {state.name} with ref_count {block.ref_count}")
+        if state is BlockState.FREE and (block.hash is not None or block.owner is not None):
+            problems.append(f"FREE host block {bid} still has a hash or an owner")
+    counted = {s: c for s, c in bm.host_state_counts.items() if c}
+    if counted != {s: c for s, c in actual_counts.items() if c}:
+        problems.append(f"host state counts {dict(bm.host_state_counts)} disagree with the host blocks "
+                        f"{dict(actual_counts)}")
+    if sum(actual_counts.values()) != bm.num_host_blocks:
+        problems.append("free + swapped host blocks do not add up to the host pool")

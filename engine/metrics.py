@@ -109,8 +109,8 @@ def snapshot_families(snap: Snapshot) -> Iterator[Metric]:
     yield _gauge("kvops_kv_bytes_per_token", "KV bytes one token takes, all layers, K and V.", engine.bytes_per_token)
     yield _gauge("kvops_kv_cache_usage_ratio", "Fraction of blocks holding live sequences' K/V (filling + full).",
                  snap.blocks.usage)
-    blocks = GaugeMetricFamily("kvops_kv_blocks", "Blocks in each state; the states sum to the pool size.",
-                               labels=["state"])
+    blocks = GaugeMetricFamily("kvops_kv_blocks", "Blocks in each state; the device states sum to the pool size, "
+                               "swapped counts host-pool blocks.", labels=["state"])
     for state in BLOCK_STATE_CODES:
         blocks.add_metric([state], snap.blocks.counts.get(state, 0))
     yield blocks
@@ -135,9 +135,21 @@ def snapshot_families(snap: Snapshot) -> Iterator[Metric]:
     yield _counter("kvops_requests_aborted", "Requests aborted.", snap.requests.aborted_total)
 
     # swap
-    yield _gauge("kvops_swapped_blocks", "Blocks whose content is in the host swap pool.", snap.swap.swapped_blocks)
-    yield _counter("kvops_swap_out_blocks", "Blocks swapped out to host memory.", snap.swap.swap_out_total)
-    yield _counter("kvops_swap_in_blocks", "Blocks swapped back in from host memory.", snap.swap.swap_in_total)
+    swap = snap.swap
+    yield _gauge("kvops_host_pool_blocks", "Blocks in the host swap pool (--swap-space).", swap.host_blocks)
+    yield _gauge("kvops_swapped_blocks", "Blocks whose content is in the host swap pool.", swap.swapped_blocks)
+    yield _gauge("kvops_swapped_sequences", "Sequences swapped out, waiting to resume.", swap.swapped_seqs)
+    yield _counter("kvops_swap_out_blocks", "Blocks swapped out to host memory.", swap.swap_out_total)
+    yield _counter("kvops_swap_in_blocks", "Blocks swapped back in from host memory.", swap.swap_in_total)
+    yield _counter("kvops_swap_preemptions", "Preemptions that swapped a sequence out.", swap.swap_preemptions_total)
+    yield _counter("kvops_swap_fallbacks", "Preemptions that would have swapped but found the host pool full "
+                   "and recomputed instead.", swap.swap_fallbacks_total)
+    yield _gauge("kvops_swap_out_rate_blocks_per_second", "Blocks swapped out per second over the snapshot window.",
+                 swap.window.swap_out_per_s)
+    yield _gauge("kvops_swap_in_rate_blocks_per_second", "Blocks swapped in per second over the snapshot window.",
+                 swap.window.swap_in_per_s)
+    yield _gauge("kvops_swap_rate", "Blocks swapped out per block allocated over the snapshot window (0..1+).",
+                 swap.window.swap_rate)
 
     # tenants
     tenant_families: list[tuple[Metric, str]] = [

@@ -6,6 +6,7 @@ through `kvops.kernels` (slot mapping for writes, block tables for reads).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -14,7 +15,10 @@ import torch.nn.functional as F
 from kvops import kernels
 from kvops.engine.errors import ConfigError
 from kvops.engine.linear import select_linear
-from kvops.kernels import AttentionMetadata
+from kvops.kernels import AttentionMetadata, KVCacheLayer
+
+# Sees each layer's new K and V (after RoPE) before they are written to the cache.
+KVObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 def _rope_inv_freq(config: Any) -> tuple[torch.Tensor, float]:
@@ -117,8 +121,9 @@ class LlamaModel:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_cache: torch.Tensor,
+        kv_cache: Sequence[KVCacheLayer],
         logits_indices: torch.Tensor,
+        observer: KVObserver | None = None,
     ) -> torch.Tensor:
         """Run the flat batch; return float32 logits for the tokens at `logits_indices`."""
         tokens = input_ids.shape[0]
@@ -136,6 +141,8 @@ class LlamaModel:
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
             layer_cache = kv_cache[i]
+            if observer is not None:
+                observer(i, k, v)
             kernels.write_kv_cache(k, v, layer_cache, meta.slot_mapping)
             parts = []
             if num_decode:

@@ -14,6 +14,7 @@ from kvops.engine.sampling import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its K/V kept in the host pool
     FINISHED = "finished"
 
 
@@ -32,7 +33,7 @@ class Sequence:
     salt: str | None
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(init=False)
-    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache (the host pool while swapped)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
     status: SequenceStatus = SequenceStatus.WAITING

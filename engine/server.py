@@ -23,8 +23,10 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvops.engine.async_engine import AsyncEngine
+from kvops.engine.config import parse_layers
 from kvops.engine.engine import LLMEngine, RequestOutput
-from kvops.engine.errors import EngineError, InvalidRequestError
+from kvops.engine.errors import ConfigError, EngineError, InvalidRequestError
+from kvops.engine.kv_error_profile import DEFAULT_STEPS, DEFAULT_THRESHOLD, profile_kv_error
 from kvops.engine.metrics import EngineMetrics
 from kvops.engine.protocol import (
     ChatChoice,
@@ -114,6 +116,10 @@ def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
         return _error(400, str(exc), exc.field)
+
+    @app.exception_handler(ConfigError)
+    async def invalid_setting(_: Request, exc: ConfigError) -> JSONResponse:
+        return _error(400, str(exc))
 
     # ------------------------------------------------------------ serving
 
@@ -344,6 +350,29 @@ def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s
 
         return await admin_change(authorization, change, knob="tenant", tenant=tenant, cache_salt=body.cache_salt,
                                   quota_blocks=body.quota_blocks)
+
+    @app.get("/admin/profile/kv-quant")
+    async def admin_profile_kv_quant(
+        kv_cache_dtype: str | None = None, group_size: int | None = None, skip_layers: str | None = None,
+        steps: str | None = None, threshold: float = DEFAULT_THRESHOLD,
+        authorization: str | None = Header(default=None),
+    ) -> Response:
+        """Per-layer KV quantization error of the engine's KV dtype (or `kv_cache_dtype`). It decodes a
+        fixed prompt set (a few seconds on CPU) on the step-loop thread, so serving pauses meanwhile."""
+        denied = authorize(authorization)
+        if denied is not None:
+            return denied
+        try:
+            step_list = [int(x) for x in steps.split(",")] if steps else list(DEFAULT_STEPS)
+        except ValueError:
+            raise InvalidRequestError(f"steps {steps!r} is not a comma-separated list of integers, e.g. 10,50,100",
+                                      "steps") from None
+        layers = parse_layers(skip_layers) if skip_layers is not None else None
+        profile = await runner.run(lambda: profile_kv_error(engine, kv_cache_dtype, group_size, layers, step_list,
+                                                            threshold))
+        log.info("kv quantization profile", kv_cache_dtype=profile.kv_cache_dtype, flagged=profile.flagged,
+                 duration_s=profile.duration_s)
+        return Response(profile.model_dump_json(), media_type="application/json")
 
     return app
 

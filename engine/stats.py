@@ -5,10 +5,11 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvops.engine.shadow_cache import ShadowPrefixCache
-from kvops.snapshot import Histogram, PrefixCacheStats, StepSample
+from kvops.snapshot import Histogram, PrefixCacheStats, StepSample, SwapWindow
 
 PROMPT_LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -29,8 +30,13 @@ class TenantCounters:
 
 
 class EngineStats:
-    def __init__(self, window_s: float = 60.0, max_steps: int = 512, max_prompt_samples: int = 2048) -> None:
+    def __init__(self, window_s: float = 60.0, max_steps: int = 512, max_prompt_samples: int = 2048,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s = window_s
+        self.clock = clock
+        self.started = clock()
+        self._swap_totals = (0, 0, 0)  # swap-out blocks, swap-in blocks, block allocations, as last seen
+        self._swap_window: deque[tuple[float, int, int, int]] = deque()  # (time, the three deltas)
         self.prefix_queries_total = 0
         self.prefix_hits_total = 0
         self._prefix_window: deque[tuple[float, int, int]] = deque()
@@ -47,7 +53,7 @@ class EngineStats:
 
     def on_admit(self, tenant: str, prompt_len: int, hit_tokens: int) -> None:
         """A request's first admission: count its prefix-cache lookup and its prompt length."""
-        now = time.monotonic()
+        now = self.clock()
         self.prefix_queries_total += prompt_len
         self.prefix_hits_total += hit_tokens
         self._prefix_window.append((now, prompt_len, hit_tokens))
@@ -66,7 +72,7 @@ class EngineStats:
         self.generation_tokens_total += generated_tokens
 
     def prefix_cache(self, evictions_total: int, normalization: str, shadow: ShadowPrefixCache) -> PrefixCacheStats:
-        cutoff = time.monotonic() - self.window_s
+        cutoff = self.clock() - self.window_s
         while self._prefix_window and self._prefix_window[0][0] < cutoff:
             self._prefix_window.popleft()
         window_queries = sum(q for _, q, _ in self._prefix_window)
@@ -85,6 +91,28 @@ class EngineStats:
             shadow_hits_total=shadow.hits_total,
             shadow_hit_rate=shadow.hit_rate,
         )
+
+    def on_swap_counters(self, swap_out_total: int, swap_in_total: int, allocations_total: int) -> None:
+        """Record the block manager's cumulative swap and allocation counters (after each step)."""
+        totals = (swap_out_total, swap_in_total, allocations_total)
+        deltas = [now - before for now, before in zip(totals, self._swap_totals, strict=True)]
+        self._swap_totals = totals
+        if any(deltas):
+            self._swap_window.append((self.clock(), *deltas))
+
+    def swap_window(self) -> SwapWindow:
+        """Swap activity over the last `window_s` seconds. The swap rate is blocks swapped out per
+        block allocated: 0 when preemption never swaps, 1 when every block handed out pushed one out."""
+        now = self.clock()
+        while self._swap_window and self._swap_window[0][0] < now - self.window_s:
+            self._swap_window.popleft()
+        out = sum(d[1] for d in self._swap_window)
+        into = sum(d[2] for d in self._swap_window)
+        allocations = sum(d[3] for d in self._swap_window)
+        span = max(min(self.window_s, now - self.started), 1e-9)
+        return SwapWindow(window_s=self.window_s, swap_out=out, swap_in=into, allocations=allocations,
+                          swap_out_per_s=out / span, swap_in_per_s=into / span,
+                          swap_rate=out / allocations if allocations else 0.0)
 
     def prompt_lengths(self) -> Histogram:
         recent = sorted(self._recent_prompt_lengths)

@@ -626,6 +626,17 @@ def _configure_logging() -> None:
         configure_logging("warning", json_logs=False)
 
 
+def publish(report: dict[str, Any], table: str, json_path: str | None) -> None:
+    """Print the table; with --json also write the report (table included) to `json_path`."""
+    report["table"] = table
+    if json_path:
+        path = Path(json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        log(f"results written to {path}")
+    print(table, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     _configure_logging()
@@ -698,14 +709,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     report["environment"]["loadavg_end"] = os.getloadavg()[0]
     report["total_s"] = round(time.perf_counter() - started, 1)
-    table = render_table(report)
-    report["table"] = table
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2) + "\n")
-        log(f"results written to {path}")
-    print(table, flush=True)
+    publish(report, render_table(report), args.json)
     return 1 if any(wl["failed"] for wl in report["workloads"].values()) else 0
 
 

@@ -56,6 +56,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _bench(argv: list[str]) -> int:
+    if argv[:1] == ["kv-quant"]:
+        from kvops import bench_kv
+
+        return bench_kv.main(argv[1:])
     from kvops import bench
 
     return bench.main(argv)
@@ -90,13 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--admin-token", default=os.environ.get("KVOPS_ADMIN_TOKEN"),
                        help="bearer token for /admin endpoints (or $KVOPS_ADMIN_TOKEN); without one they are disabled")
-    serve.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype (default: the model dtype)")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds SIGTERM waits for in-flight requests (default: %(default)s)")
     add_engine_args(serve)
     serve.set_defaults(handler=_serve)
 
-    commands.add_parser("bench", help="benchmark the engine against transformers (see `kvops bench --help`)",
+    commands.add_parser("bench", help="benchmark the engine against transformers (`kvops bench --help`), or the KV "
+                        "cache dtypes against each other (`kvops bench kv-quant --help`)",
                         add_help=False)
     return parser
 

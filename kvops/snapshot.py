@@ -39,20 +39,22 @@ class EngineInfo(BaseModel):
     started_at: float  # unix seconds
     device: str
     dtype: str
-    kv_cache_dtype: str
+    kv_cache_dtype: str  # the model dtype name when stored unquantized, else int8 | fp8 | int4
+    kv_cache_dtype_skip_layers: list[int] = Field(default_factory=list)  # layers kept in the model dtype
     block_size: int
     num_blocks: int
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
     kv_cache_bytes: int
-    bytes_per_token: int
+    bytes_per_token: int  # K and V of one token, all layers, quantization scales included
+    host_kv_cache_bytes: int = 0
     enable_prefix_caching: bool
     eviction_policy: str
 
 
 class BlockStats(BaseModel):
-    counts: dict[str, int]  # state name -> blocks; the states of BLOCK_STATE_CODES
+    counts: dict[str, int]  # state name -> blocks; the states of BLOCK_STATE_CODES ("swapped": host blocks)
     usage: float  # fraction of blocks holding live sequences' K/V (filling + full)
     state_map: str  # encode_block_map of one code per block, block id order
     allocated_slots: int  # slots in blocks held by live sequences
@@ -103,10 +105,30 @@ class StepSample(BaseModel):
     max_context_len: int
 
 
+class SwapWindow(BaseModel):
+    """Swap activity over the last `window_s` seconds."""
+
+    window_s: float = 60.0
+    swap_out: int = 0  # blocks copied device -> host
+    swap_in: int = 0  # blocks copied host -> device
+    allocations: int = 0  # device blocks handed out (new sequences, growth, swap-in)
+    swap_out_per_s: float = 0.0
+    swap_in_per_s: float = 0.0
+    swap_rate: float = 0.0  # swap_out / allocations: the share of block allocations that pushed a block out
+
+
 class SwapStats(BaseModel):
-    swapped_blocks: int = 0
-    swap_out_total: int = 0
-    swap_in_total: int = 0
+    preemption_mode: str = "recompute"  # swap | recompute
+    host_blocks: int = 0  # size of the host pool (--swap-space)
+    swapped_blocks: int = 0  # host blocks holding swapped-out K/V
+    swapped_seqs: int = 0  # sequences waiting in the host pool
+    swap_out_total: int = 0  # blocks copied device -> host
+    swap_in_total: int = 0  # blocks copied host -> device
+    swap_in_reused_total: int = 0  # blocks restored from the device prefix cache instead, without a copy
+    swap_preemptions_total: int = 0  # preemptions that swapped a sequence out
+    swap_fallbacks_total: int = 0  # preemptions that wanted to swap but found the host pool full: recomputed
+    window: SwapWindow = Field(default_factory=SwapWindow)
+    host_state_map: str = ""  # encode_block_map of the host pool (free "." or swapped "s")
 
 
 class TenantStats(BaseModel):

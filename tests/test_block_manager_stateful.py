@@ -1,17 +1,19 @@
 """Stateful property test of the block manager.
 
 Random sequences of admit (with or without prefix-cache lookup), chunked prefill, decode, fork,
-abort, finish, explicit eviction, reclaim and live knob changes run against a small pool, next to
-a model that knows which token prefix every full block holds. After every step the engine's own
-invariants hold and the model agrees with the prefix-cache map; allocation is all or nothing and
-takes free blocks, then pending ones, then the cheapest cached ones; draining everything leaks
-nothing.
+abort, finish, swap-out / swap-in / drop of swapped sequences, explicit eviction, reclaim and live
+knob changes run against a small pool and host pool, next to a model that knows which token
+prefix every full block holds. After every step the engine's own invariants hold and the model
+agrees with the prefix-cache map; allocation (swap-in included) is all or nothing and takes free
+blocks, then pending ones, then the cheapest cached ones; a swap-in takes a block still in the
+prefix cache instead of copying it; draining everything leaks nothing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -26,12 +28,13 @@ MAX_LEN = 20
 TENANTS = {"a": "salt-a", "b": "salt-b", "c": None}
 TIME_STEPS = [0.0, 0.0, 0.5, 1.0, 7.0, 45.0, 300.0]  # ties, small steps, and several LFU half-lives
 
-FREE, FILLING, FULL, CACHED, PENDING = (
+FREE, FILLING, FULL, CACHED, PENDING, SWAPPED = (
     BlockState.FREE,
     BlockState.FILLING,
     BlockState.FULL,
     BlockState.CACHED,
     BlockState.PENDING_FREE,
+    BlockState.SWAPPED,
 )
 
 Content = tuple[str | None, tuple[int, ...]]  # (salt, every token up to the end of the block)
@@ -64,6 +67,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm: BlockManager | None = None
         self.clock = FakeClock()
         self.seqs: dict[str, ModelSeq] = {}
+        self.swapped: dict[str, ModelSeq] = {}  # swapped-out sequences: their K/V is in the host pool
         self.content: dict[int, Content] = {}  # what each full (FULL or CACHED) block holds
         self.model_cached: dict[Content, int] = {}  # the prefix-cache map, as the model sees it
         self.history: list[tuple[str, list[int]]] = []
@@ -89,6 +93,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             len(bm.evictor),
             {t: (s.evictions_caused, s.evictions_suffered) for t, s in bm.tenants.items()},
             bm.evictions_total,
+            bm.host_state_map(),
+            list(bm.host_free_queue),
+            {k: (list(v.block_ids), v.num_full, list(v.hashes)) for k, v in bm.swapped.items()},
+            [(b.ref_count, b.hash, b.owner, b.depth) for b in bm.host_blocks],
+            (bm.allocations_total, bm.swap_out_blocks_total, bm.swap_in_blocks_total, bm.swap_in_reused_total),
         )
 
     def _count(self, *wanted: BlockState) -> int:
@@ -139,6 +148,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             "cached": {b.block_id: (bm.evictor.policy.key(b), b.owner) for b in bm.evictor.blocks()},
             "free_or_pending": self._count(FREE, PENDING),
             "total": bm.evictions_total,
+            "allocations": bm.allocations_total,
             "tenants": {t: (s.evictions_caused, s.evictions_suffered) for t, s in bm.tenants.items()},
         }
 
@@ -157,6 +167,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert set(evicted) == set(cheapest), "eviction did not follow the policy's order"
         assert set(evicted) <= set(new_blocks)
         assert bm.evictions_total - ctx["total"] == expected
+        assert bm.allocations_total - ctx["allocations"] == len(new_blocks)
         caused: dict[str, int] = {}
         suffered: dict[str, int] = {}
         for b in evicted:
@@ -180,11 +191,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         block_size=st.integers(1, 4),
         prefix_caching=st.sampled_from([True, True, True, False]),
         policy=st.sampled_from(["lru", "lfu"]),
+        num_host_blocks=st.sampled_from([0, 2, 6, 12, 40]),
     )
-    def setup(self, num_blocks: int, block_size: int, prefix_caching: bool, policy: str) -> None:
+    def setup(self, num_blocks: int, block_size: int, prefix_caching: bool, policy: str, num_host_blocks: int) -> None:
         self.bm = BlockManager(
             num_blocks, block_size, enable_prefix_caching=prefix_caching, eviction_policy=policy,
-            clock=self.clock,
+            clock=self.clock, num_host_blocks=num_host_blocks,
         )
 
     # -------------------------------------------------------------------- rules
@@ -360,17 +372,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
             parent.tenant, parent.salt, list(parent.tokens), parent.num_computed, parent.covered
         )
 
-    def _release(self, seq_id: str, aborted: bool) -> None:
+    def _releasing(self, seq_id: str) -> tuple[list[int], dict[int, int], set[int], set[int]]:
+        """What `_check_released` needs to know about a table before it is released."""
         bm = self.bm
-        seq = self.seqs.pop(seq_id)
         table = list(bm.block_table(seq_id))
         refs = {b: bm.blocks[b].ref_count for b in table}
         hashed = {b for b in table if bm.blocks[b].hash is not None}
         full = {b for b in table if bm.blocks[b].state is FULL}
-        (bm.abort if aborted else bm.free)(seq_id)
-        assert seq_id not in bm.seqs
+        return table, refs, hashed, full
+
+    def _check_released(
+        self, released: tuple[list[int], dict[int, int], set[int], set[int]], aborted: bool
+    ) -> None:
+        table, refs, hashed, full = released
         for b in table:
-            block = bm.blocks[b]
+            block = self.bm.blocks[b]
             if refs[b] > 1:
                 assert block.ref_count == refs[b] - 1
                 assert block.state is (FULL if b in full else FILLING)
@@ -380,6 +396,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 assert block.state is CACHED
             else:
                 assert block.state is FREE
+
+    def _release(self, seq_id: str, aborted: bool) -> None:
+        bm = self.bm
+        seq = self.seqs.pop(seq_id)
+        released = self._releasing(seq_id)
+        table, _, hashed, _ = released
+        (bm.abort if aborted else bm.free)(seq_id)
+        assert seq_id not in bm.seqs
+        self._check_released(released, aborted)
         self._purge()
         # What the finished sequence computed can be found again, and only where it really is.
         self._checked_lookup(seq.tokens, seq.salt)
@@ -400,6 +425,135 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
         self._release(self._pick(data, self.seqs), aborted=True)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def swap_out(self, data: st.DataObject) -> None:
+        """Preempt by swapping: every block gets a host copy, the device blocks are released as by free."""
+        bm = self.bm
+        seq_id = self._pick(data, self.seqs)
+        seq = self.seqs[seq_id]
+        real = bm.seqs[seq_id]
+        num_full = real.num_full
+        owners = [bm.blocks[b].owner for b in real.block_ids]
+        device_hashes = [bm.blocks[b].hash for b in real.block_ids]
+        free_host = list(bm.host_free_queue)
+        before = self._snapshot()
+        if len(real.block_ids) > len(free_host):
+            event("swap-out refused: host pool full")
+            assert not bm.can_swap_out(seq_id)
+            with pytest.raises(ValueError):
+                bm.swap_out(seq_id)
+            assert self._snapshot() == before, "a refused swap-out changed state"
+            return
+        assert bm.can_swap_out(seq_id)
+        released = self._releasing(seq_id)
+        table = released[0]
+        swapped_before = bm.num_swapped_blocks
+        out_before = bm.swap_out_blocks_total
+        copies = bm.swap_out(seq_id)
+        event("swapped out")
+        host_ids = free_host[: len(table)]
+        assert copies == list(zip(table, host_ids, strict=True))
+        assert seq_id not in bm.seqs
+        host = bm.swapped[seq_id]
+        assert host.block_ids == host_ids
+        assert (host.tenant, host.salt, host.num_full) == (seq.tenant, seq.salt, num_full)
+        for index, host_id in enumerate(host_ids):
+            block = bm.host_blocks[host_id]
+            assert (block.state, block.ref_count, block.depth, block.owner) == (SWAPPED, 1, index, owners[index])
+            if device_hashes[index] is not None:
+                assert block.hash == device_hashes[index]
+            if block.hash is not None:  # the key of exactly the content the block holds
+                assert index < num_full
+                assert block.hash == block_hashes(seq.tokens[: (index + 1) * bm.block_size], bm.block_size,
+                                                  seq.salt)[-1]
+        assert bm.num_swapped_blocks == swapped_before + len(table)
+        assert bm.swap_out_blocks_total == out_before + len(table)
+        self._check_released(released, aborted=False)
+        self._purge()
+        self.swapped[seq_id] = self.seqs.pop(seq_id)
+        refused = self._snapshot()
+        with pytest.raises(ValueError):
+            bm.fork(seq_id, self._new_id())
+        assert self._snapshot() == refused, "forking a swapped sequence changed state"
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data: st.DataObject) -> None:
+        """Resume a swapped sequence, maybe with more tokens to compute: all or nothing, cached blocks reused."""
+        bm = self.bm
+        seq_id = self._pick(data, self.swapped)
+        seq = self.swapped[seq_id]
+        self.clock.now += data.draw(st.sampled_from(TIME_STEPS), label="time passes")
+        target = data.draw(st.integers(seq.num_computed, len(seq.tokens)), label="cover up to")
+        host = bm.swapped[seq_id]
+        host_ids = list(host.block_ids)
+        num_full = host.num_full
+        host_hashed = [bm.host_blocks[h].hash is not None for h in host_ids]
+        num_blocks = max(len(host_ids), ceil_div(target, bm.block_size))
+        self._purge()
+        reused: dict[int, int] = {}
+        if bm.enable_prefix_caching:
+            for index in range(len(host_ids)):
+                bid = self.model_cached.get(self._content(seq.salt, seq.tokens, index)) if host_hashed[index] else None
+                if bid is not None:
+                    assert index < num_full
+                    reused[index] = bid
+        needed = num_blocks - len(reused)
+        available = self._count(FREE, PENDING) + sum(
+            1 for b in bm.blocks if b.state is CACHED and b.block_id not in reused.values()
+        )
+        refs = {b: bm.blocks[b].ref_count for b in reused.values()}
+        ctx = self._eviction_context()
+        before = self._snapshot()
+        copies = bm.swap_in(seq_id, target)
+        if needed > available:
+            event("swap-in refused")
+            assert copies is None
+            assert self._snapshot() == before, "a refused swap-in changed state"
+            return
+        assert copies is not None
+        event("swapped in")
+        if reused:
+            event("swap-in reused cached blocks")
+        table = bm.block_table(seq_id)
+        assert len(table) == num_blocks
+        assert all(table[index] == bid for index, bid in reused.items())
+        assert all(bm.blocks[b].ref_count == refs[b] + 1 for b in reused.values())
+        fresh = [table[index] for index in range(num_blocks) if index not in reused]
+        assert copies == [(host_ids[i], table[i]) for i in range(len(host_ids)) if i not in reused]
+        assert all(bm.blocks[b].owner == seq.tenant for b in fresh)
+        assert [bm.blocks[b].state for b in table] == [FULL] * num_full + [FILLING] * (num_blocks - num_full)
+        assert bm.seqs[seq_id].num_full == num_full
+        assert all(bm.host_blocks[h].state is FREE for h in host_ids)
+        assert seq_id not in bm.swapped
+        self._check_evictions(ctx, seq.tenant, list(reused.values()), needed, fresh)
+        # New blocks go FULL at once, so what an evicted one held before must be forgotten here.
+        for bid in fresh:
+            self.content.pop(bid, None)
+        self.model_cached = {k: b for k, b in self.model_cached.items() if b not in fresh}
+        for index in range(num_full):
+            content = self._content(seq.salt, seq.tokens, index)
+            self.content[table[index]] = content
+            if bm.enable_prefix_caching and host_hashed[index] and content not in self.model_cached:
+                self.model_cached[content] = table[index]
+        seq.covered = max(seq.covered, target)
+        self.seqs[seq_id] = self.swapped.pop(seq_id)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def drop_swapped(self, data: st.DataObject) -> None:
+        """A swapped sequence is aborted: only its host blocks are affected."""
+        bm = self.bm
+        seq_id = self._pick(data, self.swapped)
+        host_ids = list(bm.swapped[seq_id].block_ids)
+        device = self._snapshot()[:11]
+        bm.drop_swapped(seq_id)
+        assert self._snapshot()[:11] == device
+        assert all(bm.host_blocks[h].state is FREE for h in host_ids)
+        assert seq_id not in bm.swapped
+        del self.swapped[seq_id]
 
     @rule(limit=st.one_of(st.none(), st.integers(0, 6)))
     def evict(self, limit: int | None) -> None:
@@ -460,6 +614,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def _drain(self, abort_flags: list[bool]) -> None:
         """Everything finishes or aborts, the pending batch is reclaimed, the cache dropped: all FREE."""
         bm = self.bm
+        for seq_id in sorted(self.swapped):
+            bm.drop_swapped(seq_id)
+            del self.swapped[seq_id]
+            check_invariants(bm)
         for seq_id, aborted in zip(sorted(self.seqs), abort_flags, strict=True):
             (bm.abort if aborted else bm.free)(seq_id)
             del self.seqs[seq_id]
@@ -472,6 +630,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert bm.num_allocatable() == bm.num_blocks
         assert not bm.cached and not bm.pending_free and not len(bm.evictor)
         assert all(b.ref_count == 0 and b.hash is None for b in bm.blocks)
+        assert bm.host_state_map() == "." * bm.num_host_blocks and not bm.swapped
+        assert len(bm.host_free_queue) == bm.num_host_blocks
         self._purge()
         assert not self.content and not self.model_cached
 
@@ -494,6 +654,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert bm.blocks[bid].hash == key
             assert bm.cached[key] == bid
         assert set(bm.seqs) == set(self.seqs)
+        assert set(bm.swapped) == set(self.swapped)
+        for seq_id, seq in self.swapped.items():
+            host = bm.swapped[seq_id]
+            assert host.tenant == seq.tenant and host.salt == seq.salt
+            assert len(host.block_ids) == ceil_div(seq.covered, bm.block_size)
+            assert host.num_full == seq.num_computed // bm.block_size
         for seq_id, seq in self.seqs.items():
             real = bm.seqs[seq_id]
             assert real.tenant == seq.tenant and real.salt == seq.salt

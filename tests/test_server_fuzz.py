@@ -79,3 +79,20 @@ def test_garbage_bodies_get_400(http, raw):
 @given(path=st.sampled_from(["eviction-policy", "prefix-caching", "normalization", "tenants/x"]), body=json_values)
 def test_admin_never_5xx(http, path, body):
     _check(http.put(f"/admin/{path}", json=body, headers={"Authorization": "Bearer fuzz"}))
+
+
+def test_kv_quant_profile_endpoint(http: TestClient):
+    auth = {"Authorization": "Bearer fuzz"}
+    assert http.get("/admin/profile/kv-quant").status_code == 401
+    response = http.get("/admin/profile/kv-quant?kv_cache_dtype=int8&steps=3,6&skip_layers=2", headers=auth)
+    assert response.status_code == 200, response.text
+    profile = response.json()
+    assert profile["kv_cache_dtype"] == "int8" and profile["steps"] == [3, 6] and profile["flagged"] == []
+    assert profile["layers"][2]["kv_dtype"] == "float32" and profile["layers"][3]["kv_dtype"] == "int8"
+    assert set(profile["layers"][3]["k_cosine"]) == {"3", "6"}
+    for query, message in [("kv_cache_dtype=int2", "'int2' is not one of"), ("steps=ten", "comma-separated"),
+                           ("steps=0", "positive"), ("threshold=2", "threshold must be in"),
+                           ("skip_layers=99", "names layer 99"), ("steps=5000", "past max_model_len"),
+                           ("group_size=48&kv_cache_dtype=int4", "group-size must be one of")]:
+        bad = http.get(f"/admin/profile/kv-quant?{query}", headers=auth)
+        assert bad.status_code == 400 and message in bad.json()["error"]["message"], (query, bad.text)

@@ -1,0 +1,130 @@
+"""The per-layer KV quantization error profile, taken on demand.
+
+A fixed prompt set is decoded greedily through a private cache in the KV dtype under test (the
+serving pool is not touched). Each layer's K and V are also kept in full precision as they are
+produced; at the chosen decode steps the dequantized cache is compared with them, token by token
+and head by head (cosine similarity, averaged). A layer below the threshold is one to keep in the
+model dtype (`--kv-cache-dtype-skip-layers`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from kvops import kernels
+from kvops.engine.errors import InvalidRequestError
+from kvops.engine.kv_pool import layer_kv_dtypes
+from kvops.engine.kv_quality import private_kv_pool
+from kvops.kernels import AttentionMetadata, PrefillSpan
+from kvops.reports import KVQuantProfile, LayerKVError
+
+if TYPE_CHECKING:
+    from kvops.engine.engine import LLMEngine
+
+PROFILE_PROMPTS = (
+    "Explain how a paged KV cache works in an LLM inference server.",
+    "Write a short Python function that checks whether a number is prime.",
+    "What are the main causes of the French Revolution? Answer in a few sentences.",
+    "Summarize the plot of Romeo and Juliet for a ten-year-old.",
+)
+DEFAULT_STEPS = (10, 50, 100)
+DEFAULT_THRESHOLD = 0.99
+
+
+def profile_kv_error(
+    engine: LLMEngine,
+    kv_cache_dtype: str | None = None,
+    group_size: int | None = None,
+    skip_layers: Sequence[int] | None = None,
+    steps: Sequence[int] = DEFAULT_STEPS,
+    threshold: float = DEFAULT_THRESHOLD,
+) -> KVQuantProfile:
+    """Profile the engine's KV dtype, or another one (to ask "would int4 be safe here?")."""
+    started = time.perf_counter()
+    config = dataclasses.replace(
+        engine.config,
+        kv_cache_dtype=kv_cache_dtype or engine.config.kv_cache_dtype,
+        kv_cache_group_size=group_size or engine.config.kv_cache_group_size,
+        kv_cache_dtype_skip_layers=engine.config.kv_cache_dtype_skip_layers if skip_layers is None else skip_layers,
+    )
+    steps = sorted(set(steps))
+    if not steps or steps[0] < 1:
+        raise InvalidRequestError(f"steps must be positive decode step numbers (got {list(steps)})", "steps")
+    if not 0 < threshold <= 1:
+        raise InvalidRequestError(f"threshold must be in (0, 1] (got {threshold})", "threshold")
+    model = engine.model
+    kinds = layer_kv_dtypes(config, model.num_layers, model.head_dim)
+    prompts = [engine.encode_chat([{"role": "user", "content": text}]) for text in PROFILE_PROMPTS]
+    longest = max(len(p) for p in prompts) + steps[-1]
+    if longest > engine.max_model_len:
+        raise InvalidRequestError(f"decode step {steps[-1]} would go past max_model_len {engine.max_model_len}: "
+                                  "ask for fewer steps", "steps")
+
+    block_size = config.block_size
+    blocks_per_seq = -(-longest // block_size)
+    tables = [torch.arange(i * blocks_per_seq, (i + 1) * blocks_per_seq) for i in range(len(prompts))]
+    quantized = private_kv_pool(engine, kinds, blocks_per_seq * len(prompts), config.kv_cache_group_size)
+    reference = private_kv_pool(engine, ["auto"] * model.num_layers, blocks_per_seq * len(prompts), 32)
+
+    def slots_of(seq: int, positions: torch.Tensor) -> torch.Tensor:
+        return tables[seq][positions // block_size] * block_size + positions % block_size
+
+    slot_mapping = torch.empty(0, dtype=torch.long)
+
+    def keep_full_precision(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        kernels.write_kv_cache(k, v, reference[layer], slot_mapping)
+
+    # Prefill every prompt in one forward pass.
+    ids, positions, slots, spans, last = [], [], [], [], []
+    for seq, prompt in enumerate(prompts):
+        start = len(ids)
+        pos = torch.arange(len(prompt))
+        ids.extend(prompt)
+        positions.append(pos)
+        slots.append(slots_of(seq, pos))
+        spans.append(PrefillSpan(start, start + len(prompt), len(prompt), tables[seq]))
+        last.append(start + len(prompt) - 1)
+    slot_mapping = torch.cat(slots)
+    meta = AttentionMetadata(block_size, slot_mapping, 0, torch.zeros(0, 0, dtype=torch.long),
+                             torch.zeros(0, dtype=torch.long), spans)
+    logits = model.forward(torch.tensor(ids), torch.cat(positions), meta, quantized, torch.tensor(last),
+                           keep_full_precision)
+    tokens = logits.argmax(-1)
+    lengths = torch.tensor([len(p) for p in prompts])
+
+    cosines: dict[int, dict[str, dict[int, float]]] = {i: {"k": {}, "v": {}} for i in range(model.num_layers)}
+    compared = 0
+    for step in range(1, steps[-1] + 1):
+        slot_mapping = torch.stack([slots_of(seq, lengths[seq : seq + 1])[0] for seq in range(len(prompts))])
+        lengths = lengths + 1
+        meta = AttentionMetadata(block_size, slot_mapping, len(prompts), torch.stack(tables), lengths, [])
+        logits = model.forward(tokens, lengths - 1, meta, quantized, torch.arange(len(prompts)), keep_full_precision)
+        tokens = logits.argmax(-1)
+        if step in steps:
+            context = torch.cat([slots_of(seq, torch.arange(int(lengths[seq]))) for seq in range(len(prompts))])
+            compared = int(context.numel())
+            for layer in range(model.num_layers):
+                cos = F.cosine_similarity(kernels.gather_kv(quantized[layer], context).float(),
+                                          kernels.gather_kv(reference[layer], context).float(), dim=-1)
+                cosines[layer]["k"][step] = round(float(cos[0].mean()), 6)
+                cosines[layer]["v"][step] = round(float(cos[1].mean()), 6)
+
+    layers = []
+    for layer, kind in enumerate(kinds):
+        worst = min(min(cosines[layer]["k"].values()), min(cosines[layer]["v"].values()))
+        layers.append(LayerKVError(layer=layer, kv_dtype=engine.dtype_name if kind == "auto" else kind,
+                                   k_cosine=cosines[layer]["k"], v_cosine=cosines[layer]["v"],
+                                   min_cosine=worst, below_threshold=worst < threshold))
+    return KVQuantProfile(
+        kv_cache_dtype=engine.dtype_name if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
+        group_size=config.kv_cache_group_size if config.kv_cache_dtype == "int4" else None,
+        skip_layers=list(config.kv_cache_dtype_skip_layers), threshold=threshold, steps=steps,
+        prompts=len(prompts), tokens_compared=compared, duration_s=round(time.perf_counter() - started, 3),
+        layers=layers, flagged=[entry.layer for entry in layers if entry.below_threshold],
+    )

@@ -1,0 +1,81 @@
+"""One layer's slice of the paged KV pool, in any KV dtype.
+
+Every tensor is indexed [2 (K, V), block, offset in block, kv_head, ...], so a slot
+(block * block_size + offset) addresses one token's K/V and its scales alike, and a block
+copy or swap moves data and scales together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "int4")
+
+
+@dataclass
+class KVCacheLayer:
+    kind: str  # one of KV_CACHE_DTYPES; auto = stored in the model dtype
+    dtype: torch.dtype  # the model dtype K/V are written from and read back as
+    head_dim: int
+    data: torch.Tensor  # [2, blocks, block_size, kv_heads, head_dim] (int4: head_dim / 2 bytes)
+    scale: torch.Tensor | None = None  # int8: [2, blocks, bs, heads]; int4: [.., heads, groups]; fp8: [2] per layer
+    zero: torch.Tensor | None = None  # int4 only: [2, blocks, bs, heads, groups]
+    group_size: int = 0  # int4 only
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.data.shape[1])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.data.shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated for this layer: data, scales and zero points."""
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.zero) if t is not None)
+
+    def per_slot(self) -> list[torch.Tensor]:
+        """The tensors that hold one entry per slot (what a block copy must move)."""
+        tensors = [self.data]
+        if self.kind in ("int8", "int4"):
+            tensors.append(self.scale)  # type: ignore[arg-type]
+        if self.kind == "int4":
+            tensors.append(self.zero)  # type: ignore[arg-type]
+        return tensors
+
+
+def layer_bytes_per_token(kind: str, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                          group_size: int = 32) -> int:
+    """K and V bytes of one token in one layer, scales included (fp8's per-layer scale is not per token)."""
+    heads = 2 * num_kv_heads
+    if kind == "auto":
+        return heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+    if kind == "int8":
+        return heads * (head_dim + 4)
+    if kind == "fp8":
+        return heads * head_dim
+    if kind == "int4":
+        return heads * (head_dim // 2 + 2 * 2 * (head_dim // group_size))
+    raise ValueError(f"unknown KV cache dtype {kind!r}: use one of {', '.join(KV_CACHE_DTYPES)}")
+
+
+def allocate_kv_cache_layer(kind: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                            dtype: torch.dtype, group_size: int = 32) -> KVCacheLayer:
+    shape = (2, num_blocks, block_size, num_kv_heads)
+    if kind == "auto":
+        return KVCacheLayer(kind, dtype, head_dim, torch.zeros(*shape, head_dim, dtype=dtype))
+    if kind == "int8":
+        return KVCacheLayer(kind, dtype, head_dim, torch.zeros(*shape, head_dim, dtype=torch.int8),
+                            scale=torch.zeros(*shape, dtype=torch.float32))
+    if kind == "fp8":
+        return KVCacheLayer(kind, dtype, head_dim, torch.zeros(*shape, head_dim, dtype=torch.float8_e4m3fn),
+                            scale=torch.ones(2, dtype=torch.float32))
+    if kind == "int4":
+        groups = head_dim // group_size
+        return KVCacheLayer(kind, dtype, head_dim, torch.zeros(*shape, head_dim // 2, dtype=torch.uint8),
+                            scale=torch.zeros(*shape, groups, dtype=torch.bfloat16),
+                            zero=torch.zeros(*shape, groups, dtype=torch.bfloat16), group_size=group_size)
+    raise ValueError(f"unknown KV cache dtype {kind!r}: use one of {', '.join(KV_CACHE_DTYPES)}")

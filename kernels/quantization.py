@@ -1,0 +1,76 @@
+"""KV quantization: pure quantize / dequantize functions over the last (head_dim) axis.
+
+Formats (DESIGN.md, "KV dtypes"):
+- int8: symmetric, one float32 scale per token and head (amax / 127).
+- fp8: e4m3 storage (`torch.float8_e4m3fn`) with one static float32 scale per layer for K and one for V
+  (1.0, as vLLM uses when a checkpoint ships no scales); values beyond ±448 × scale saturate, which is
+  how a layer with outlier keys loses accuracy.
+- int4: asymmetric, one scale and one zero point per group of 32 or 64 channels, two values per byte.
+  Scale and zero are bfloat16: their rounding (2^-9 relative) is small beside int4's step (1/15 of the
+  group's range), and float32 would cost a quarter of the memory int4 saves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+INT4_GROUP_SIZES = (32, 64)
+_TINY = 1e-12  # keeps an all-zero token-head from dividing by zero
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., d] -> (int8 [..., d], float32 scale [...])."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1).clamp_min(_TINY) / 127.0
+    q = torch.round(xf / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale.unsqueeze(-1)).to(dtype)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """x [..., d] -> float8_e4m3fn, saturating at ±448 × scale (a plain cast would give NaN on some devices)."""
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale).to(dtype)
+
+
+def quantize_int4(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [..., d] -> (uint8 [..., d/2] packed, low nibble first; bfloat16 scale and zero [..., d/group_size])."""
+    d = x.shape[-1]
+    if d % group_size or group_size % 2:
+        raise ValueError(f"head_dim {d} is not a multiple of the int4 group size {group_size}")
+    groups = x.float().reshape(*x.shape[:-1], d // group_size, group_size)
+    low = groups.amin(dim=-1)
+    high = groups.amax(dim=-1)
+    # The stored zero is rounded down and the stored scale up, so the grid [zero, zero + 15 * scale]
+    # still covers the group: no value is clipped and the error stays within half a step.
+    zero = _round_bf16(low, down=True)
+    scale = _round_bf16(((high - zero.float()) / 15.0).clamp_min(_TINY), down=False)
+    q = torch.round((groups - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).clamp_(0, 15)
+    q = q.to(torch.uint8).reshape(*x.shape[:-1], d // 2, 2)
+    packed = q[..., 0] | (q[..., 1] << 4)
+    return packed, scale, zero
+
+
+def _round_bf16(x: torch.Tensor, down: bool) -> torch.Tensor:
+    """Round float32 to bfloat16 toward -inf (down) or +inf (up)."""
+    rounded = x.to(torch.bfloat16)
+    wrong = rounded.float() > x if down else rounded.float() < x
+    toward = torch.full_like(rounded, float("-inf") if down else float("inf"))
+    return torch.where(wrong, torch.nextafter(rounded, toward), rounded)
+
+
+def dequantize_int4(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    q = torch.stack((packed & 0x0F, packed >> 4), dim=-1).float()  # [..., d/2, 2]
+    d = packed.shape[-1] * 2
+    groups = q.reshape(*packed.shape[:-1], d // group_size, group_size)
+    x = groups * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+    return x.reshape(*packed.shape[:-1], d).to(dtype)
