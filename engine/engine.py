@@ -96,6 +96,8 @@ class LLMEngine:
         )
         self.normalization = NormalizationMode(config.normalize_prompts)
         self.shadow = ShadowPrefixCache(self.capacity.num_blocks, config.block_size)
+        # While prefix caching is off, what it would have hit: the evidence for turning it on.
+        self.potential = ShadowPrefixCache(self.capacity.num_blocks, config.block_size)
         self.tenant_salts: dict[str, str] = {}  # tenants sharing a cache salt share prefix blocks
         self.eos_token_ids = self._eos_token_ids(hf)
         self.sequences: dict[str, Sequence] = {}
@@ -212,6 +214,8 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.sequences:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        if not self.block_manager.enable_prefix_caching:
+            self.potential.observe(token_ids, self.salt_for(tenant))
         seq = Sequence(request_id, token_ids, params, tenant, self.salt_for(tenant))
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
@@ -408,7 +412,8 @@ class LLMEngine:
             ),
             blocks=BlockStats(counts=counts, usage=in_use / bm.num_blocks, state_map=encode_block_map(bm.state_map()),
                               allocated_slots=allocated, used_slots=used),
-            prefix_cache=self.stats.prefix_cache(bm.evictions_total, self.normalization.value, self.shadow),
+            prefix_cache=self.stats.prefix_cache(bm.evictions_total, self.normalization.value, self.shadow,
+                                                 self.potential),
             requests=RequestStats(
                 running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                 finished_total=self.stats.finished_total, aborted_total=self.stats.aborted_total,

@@ -7,15 +7,13 @@ disconnects aborts its sequence. Errors use OpenAI's error body with the offendi
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import structlog
-import uvicorn
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,6 +21,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvops.engine.async_engine import AsyncEngine
+from kvops.engine.block_size_profile import DEFAULT_CANDIDATES, profile_block_size
 from kvops.engine.config import parse_layers
 from kvops.engine.engine import LLMEngine, RequestOutput
 from kvops.engine.errors import ConfigError, EngineError, InvalidRequestError
@@ -374,24 +373,24 @@ def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s
                  duration_s=profile.duration_s)
         return Response(profile.model_dump_json(), media_type="application/json")
 
+    @app.get("/admin/profile/block-size")
+    async def admin_profile_block_size(
+        candidates: str | None = None, batch_size: int | None = None, repeats: int = 5,
+        max_context: int | None = None, authorization: str | None = Header(default=None),
+    ) -> Response:
+        """Decode-step time of each candidate block size at the engine's recent batch size and prompt lengths
+        (see docs/block-size.md). It runs on the step-loop thread, so serving pauses for the seconds it takes."""
+        denied = authorize(authorization)
+        if denied is not None:
+            return denied
+        try:
+            sizes = [int(x) for x in candidates.split(",")] if candidates else list(DEFAULT_CANDIDATES)
+        except ValueError:
+            raise InvalidRequestError(f"candidates {candidates!r} is not a comma-separated list of integers, "
+                                      "e.g. 8,16,32,64", "candidates") from None
+        profile = await runner.run(lambda: profile_block_size(engine, sizes, batch_size, repeats, max_context))
+        log.info("block size profile", best=profile.best, configured=profile.configured,
+                 batch_size=profile.batch_size, duration_s=profile.duration_s)
+        return Response(profile.model_dump_json(), media_type="application/json")
+
     return app
-
-
-class _DrainingServer(uvicorn.Server):
-    """uvicorn's server, except that a signal-initiated graceful shutdown exits 0: uvicorn
-    re-raises the signal afterwards, which would make a clean drain look like a kill."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        with super().capture_signals():
-            yield
-            self._captured_signals.clear()
-
-
-def serve(app: FastAPI, host: str, port: int, drain_timeout_s: float) -> int:
-    """Run the app until SIGTERM/SIGINT: stop accepting, finish in-flight requests, drain, exit 0."""
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=max(1, int(drain_timeout_s)))
-    server = _DrainingServer(config)
-    server.run()
-    return 0 if server.started else 1

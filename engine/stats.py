@@ -71,7 +71,8 @@ class EngineStats:
         self.steps.append(sample)
         self.generation_tokens_total += generated_tokens
 
-    def prefix_cache(self, evictions_total: int, normalization: str, shadow: ShadowPrefixCache) -> PrefixCacheStats:
+    def prefix_cache(self, evictions_total: int, normalization: str, shadow: ShadowPrefixCache,
+                     potential: ShadowPrefixCache | None = None) -> PrefixCacheStats:
         cutoff = self.clock() - self.window_s
         while self._prefix_window and self._prefix_window[0][0] < cutoff:
             self._prefix_window.popleft()
@@ -90,6 +91,9 @@ class EngineStats:
             shadow_queries_total=shadow.queries_total,
             shadow_hits_total=shadow.hits_total,
             shadow_hit_rate=shadow.hit_rate,
+            potential_queries_total=potential.queries_total if potential else 0,
+            potential_hits_total=potential.hits_total if potential else 0,
+            potential_hit_rate=potential.hit_rate if potential else 0.0,
         )
 
     def on_swap_counters(self, swap_out_total: int, swap_in_total: int, allocations_total: int) -> None:
@@ -113,6 +117,11 @@ class EngineStats:
         return SwapWindow(window_s=self.window_s, swap_out=out, swap_in=into, allocations=allocations,
                           swap_out_per_s=out / span, swap_in_per_s=into / span,
                           swap_rate=out / allocations if allocations else 0.0)
+
+    def recent_prompt_lengths(self) -> list[int]:
+        """The last `max_prompt_samples` prompt lengths, oldest first (the histogram's buckets are too coarse
+        for anything that depends on lengths modulo a block size)."""
+        return list(self._recent_prompt_lengths)
 
     def prompt_lengths(self) -> Histogram:
         recent = sorted(self._recent_prompt_lengths)

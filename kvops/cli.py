@@ -44,15 +44,18 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from kvops.engine.args import engine_config_from_args
     from kvops.engine.engine import LLMEngine
-    from kvops.engine.server import build_app, serve
+    from kvops.engine.server import build_app
+    from kvops.serving import serve
 
-    if args.kv_cache_dtype not in ("auto", args.dtype):
-        from kvops.engine.errors import ConfigError
-
-        raise ConfigError(f"--kv-cache-dtype {args.kv_cache_dtype!r} is not available yet: use auto (the model dtype)")
     engine = LLMEngine(engine_config_from_args(args))
     app = build_app(engine, admin_token=args.admin_token, drain_timeout_s=args.drain_timeout)
     return serve(app, args.host, args.port, args.drain_timeout)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kvops.run import run
+
+    return run(args)
 
 
 def _bench(argv: list[str]) -> int:
@@ -98,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds SIGTERM waits for in-flight requests (default: %(default)s)")
     add_engine_args(serve)
     serve.set_defaults(handler=_serve)
+
+    run = commands.add_parser("run", help="the supervisor: run and watch engines, diagnose, alert, fix "
+                              "(see docs/supervisor.md)")
+    from kvops.run import add_run_args
+
+    add_run_args(run)
+    run.set_defaults(handler=_run)
 
     commands.add_parser("bench", help="benchmark the engine against transformers (`kvops bench --help`), or the KV "
                         "cache dtypes against each other (`kvops bench kv-quant --help`)",

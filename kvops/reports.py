@@ -26,3 +26,27 @@ class KVQuantProfile(BaseModel):
     duration_s: float
     layers: list[LayerKVError]
     flagged: list[int]  # layers below the threshold: candidates for --kv-cache-dtype-skip-layers
+
+
+class BlockSizeTiming(BaseModel):
+    block_size: int
+    decode_step_ms: float  # median time of one decode step at the measured batch and context lengths
+    relative: float  # decode_step_ms / the best candidate's (1.0 = the best)
+    fragmentation: float  # expected share of allocated slots left empty, for the measured lengths
+    iqr_ms: float = 0.0  # interquartile range of the timed steps: a gap between candidates below it is noise
+
+
+class BlockSizeProfile(BaseModel):
+    """Decode-step timings of candidate block sizes for the running model and its recent sequence
+    lengths: what the block-size rule decides from, instead of a rule of thumb."""
+
+    configured: int
+    best: int  # the fastest candidate
+    candidates: list[BlockSizeTiming]
+    context_lens: list[int]  # the sequence lengths measured (drawn from the recent distribution)
+    batch_size: int
+    repeats: int
+    measured_at: float  # unix seconds
+    duration_s: float
+    lengths_from: str = "recent"  # recent: the engine's recent prompts | default: nothing served yet, a fixed set
+    generated_tokens: int = 0  # added to each prompt length: the mean output length so far (64 when unknown)

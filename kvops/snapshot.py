@@ -74,6 +74,9 @@ class PrefixCacheStats(BaseModel):
     shadow_queries_total: int = 0  # shadow mode: prompt tokens looked up in the normalized model cache
     shadow_hits_total: int = 0  # ... and the tokens that would have hit with normalization on
     shadow_hit_rate: float = 0.0
+    potential_queries_total: int = 0  # prefix caching off: prompt tokens looked up in a shadow cache
+    potential_hits_total: int = 0  # ... and the tokens caching would have served
+    potential_hit_rate: float = 0.0
 
 
 class RequestStats(BaseModel):

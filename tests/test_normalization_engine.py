@@ -42,3 +42,20 @@ def test_shadow_predicts_and_on_delivers_the_gain():
     assert measured > served_raw + 0.2
     assert abs(measured - predicted) <= 0.05
     assert llm.engine.snapshot(include_gpu=False).prefix_cache.normalization == "on"
+
+
+def test_with_prefix_caching_off_the_engine_measures_what_it_would_have_hit(llm):
+    engine = llm.engine
+    engine.block_manager.set_prefix_caching(False)
+    try:
+        before = engine.snapshot(include_gpu=False).prefix_cache
+        llm.generate([BASE.format(1), BASE.format(2), BASE.format(1)], SamplingParams(temperature=0, max_tokens=2))
+        after = engine.snapshot(include_gpu=False).prefix_cache
+    finally:
+        engine.block_manager.set_prefix_caching(True)
+    assert after.hits_total == before.hits_total  # nothing was served from the cache...
+    queried = after.potential_queries_total - before.potential_queries_total
+    hits = after.potential_hits_total - before.potential_hits_total
+    assert queried == 3 * len(engine.tokenizer(BASE.format(1)).input_ids)
+    assert hits >= 2 * 16 * (len(engine.tokenizer(BASE.format(1)).input_ids) // 16 - 1)  # ...but would have been
+    assert after.potential_hit_rate > 0

@@ -1,0 +1,116 @@
+"""What the supervisor's polling costs the engine: throughput with and without a /stats poller.
+
+    python benchmarks/polling.py [--rate 10] [--rounds 3] [--requests 16] [--max-tokens 64]
+
+Starts `kvops engine serve` once, then alternates rounds without and with a poller reading the
+full snapshot (`GET /stats`, what `kvops run` reads) at `--rate` Hz, each round sending the same
+concurrent chat requests. Reports generated tokens per second of each round and the ratio of the
+medians (polled / unpolled). The issue's target: at 10 Hz, 98% or more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from kvops.bench import CHAT_QUESTIONS
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_engine(extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvops", "engine", "serve", "--port", str(port), *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise SystemExit("the engine did not become healthy within 180 s")
+
+
+async def one_round(url: str, requests: int, max_tokens: int) -> float:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        async def ask(question: str) -> int:
+            body = {"model": "SmolLM2-135M-Instruct", "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True, "messages": [{"role": "user", "content": question}]}
+            response = await http.post("/v1/chat/completions", json=body)
+            response.raise_for_status()
+            return int(response.json()["usage"]["completion_tokens"])
+
+        started = time.perf_counter()
+        questions = [CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)] + f" ({i})" for i in range(requests)]
+        tokens = await asyncio.gather(*(ask(q) for q in questions))
+        return sum(tokens) / (time.perf_counter() - started)
+
+
+def poll(url: str, rate: float, stop: threading.Event, counter: list[int]) -> None:
+    with httpx.Client(base_url=url, timeout=10) as http:
+        while not stop.is_set():
+            started = time.monotonic()
+            http.get("/stats").raise_for_status()
+            counter[0] += 1
+            stop.wait(max(0.0, 1 / rate - (time.monotonic() - started)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", type=float, default=10.0, help="polls per second (default 10)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each kind, alternating (default 3)")
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    proc, url = start_engine(["--kv-cache-memory", "256MiB", "--max-model-len", "2048"])
+    try:
+        asyncio.run(one_round(url, 2, 4))  # warm-up
+        plain: list[float] = []
+        polled: list[float] = []
+        polls: list[int] = []
+        for _ in range(args.rounds):
+            plain.append(asyncio.run(one_round(url, args.requests, args.max_tokens)))
+            stop, counter = threading.Event(), [0]
+            poller = threading.Thread(target=poll, args=(url, args.rate, stop, counter), daemon=True)
+            started = time.perf_counter()
+            poller.start()
+            polled.append(asyncio.run(one_round(url, args.requests, args.max_tokens)))
+            stop.set()
+            poller.join()
+            polls.append(round(counter[0] / (time.perf_counter() - started), 2))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    ratio = statistics.median(polled) / statistics.median(plain)
+    report = {"command": "python benchmarks/polling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "rate_hz": args.rate, "achieved_poll_hz": polls, "unpolled_tok_s": [round(x, 1) for x in plain],
+              "polled_tok_s": [round(x, 1) for x in polled], "ratio": round(ratio, 4)}
+    print(f"unpolled tok/s {report['unpolled_tok_s']}, polled at {args.rate} Hz {report['polled_tok_s']} "
+          f"(achieved {polls} Hz): ratio of medians {ratio:.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

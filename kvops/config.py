@@ -1,0 +1,236 @@
+"""The supervisor's configuration: one TOML file (see `kvops.example.toml`), overridable by flags.
+
+Validation happens once, up front, and every error names the file, the key and what is allowed,
+so `kvops run --check-config` can tell a person exactly what to change.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlparse
+
+import platformdirs
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kvops.alerting import AlertingConfig
+from kvops.engine.config import EngineConfig
+from kvops.engine.errors import ConfigError
+from kvops.rules import RULES
+
+Policy = Literal["off", "suggest", "auto"]
+ENGINE_SETTINGS = tuple(f.name for f in fields(EngineConfig))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _check_url(value: str) -> str:
+    parsed = urlparse(value)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ValueError(f"{value!r} is not an http(s) URL: write e.g. http://127.0.0.1:8000")
+    return value.rstrip("/")
+
+
+def _check_listen(value: str) -> str:
+    if not re.fullmatch(r"[^\s:]+:\d{1,5}", value) or not 0 <= int(value.rsplit(":", 1)[1]) <= 65535:
+        raise ValueError(f"{value!r} is not host:port: write e.g. 127.0.0.1:9400")
+    return value
+
+
+class RestartPolicy(_Strict):
+    initial_backoff_s: float = Field(1.0, gt=0)
+    max_backoff_s: float = Field(60.0, gt=0)
+    crash_loop_exits: int = Field(5, ge=1)  # this many exits ...
+    crash_loop_window_s: float = Field(300.0, gt=0)  # ... within this window is a crash loop: stop restarting
+    stable_after_s: float = Field(60.0, gt=0)  # up this long: the backoff starts over
+
+
+class EngineSpec(_Strict):
+    """One engine: managed (kvops starts it) or watched (given by URL)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    url: str | None = None  # watched engine; a managed one gets http://host:port
+    managed: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)  # 0: a free port at start
+    args: dict[str, Any] = Field(default_factory=dict)  # EngineConfig settings, as `kvops engine serve` flags
+    admin_token_env: str | None = None  # watched engine: env var with its admin token (needed for fixes)
+    health_timeout_s: float = Field(180.0, gt=0)
+    drain_timeout_s: float = Field(30.0, gt=0)
+    restart: RestartPolicy = Field(default_factory=RestartPolicy)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        return None if value is None else _check_url(value)
+
+    @field_validator("args")
+    @classmethod
+    def _args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(value) - set(ENGINE_SETTINGS))
+        if unknown:
+            raise ValueError(f"unknown engine setting {unknown[0]!r}; allowed: {', '.join(ENGINE_SETTINGS)}")
+        try:
+            EngineConfig(**value)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        except TypeError as exc:
+            raise ValueError(f"bad engine setting: {exc}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _managed_or_watched(self) -> EngineSpec:
+        if self.url is not None and "managed" not in self.model_fields_set:
+            self.managed = False
+        if self.managed and self.url is not None:
+            raise ValueError("a managed engine gets its URL from host and port: drop url, or set managed = false")
+        if not self.managed and self.url is None:
+            raise ValueError("a watched engine (managed = false) needs url, e.g. url = \"http://10.0.0.5:8000\"")
+        if not self.managed and self.args:
+            raise ValueError("args apply to managed engines only: kvops cannot change a watched engine's flags")
+        return self
+
+
+class RuleConfig(_Strict):
+    policy: Policy = "suggest"
+    settings: dict[str, Any] = Field(default_factory=dict)  # thresholds, validated by the rule's Settings
+
+
+class SupervisorSettings(_Strict):
+    listen: str = "127.0.0.1:9400"
+    state_dir: str = Field(default_factory=lambda: platformdirs.user_state_dir("kvops"))
+    poll_interval_s: float = Field(0.5, gt=0, le=60)
+    verify_after_s: float = Field(60.0, gt=0)  # how long a fix runs before it is judged
+    alert_warmup_s: float = Field(30.0, ge=0)  # after start, rules gather data before alerts are evaluated
+    admin_token_env: str = "KVOPS_ADMIN_TOKEN"  # the supervisor API's token for applying or reverting fixes
+    external_url: str | None = None  # how people reach this supervisor (alert links); default http://listen
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        return _check_listen(value)
+
+    @field_validator("external_url")
+    @classmethod
+    def _external_url(cls, value: str | None) -> str | None:
+        return None if value is None else _check_url(value)
+
+
+class KvopsConfig(_Strict):
+    supervisor: SupervisorSettings = Field(default_factory=SupervisorSettings)
+    engines: list[EngineSpec] = Field(default_factory=lambda: [EngineSpec(name="default")])
+    rules: dict[str, RuleConfig] = Field(default_factory=dict)
+    alerting: AlertingConfig = Field(default_factory=AlertingConfig)
+
+    @field_validator("rules")
+    @classmethod
+    def _rules(cls, value: dict[str, RuleConfig]) -> dict[str, RuleConfig]:
+        for rule_id, rule in value.items():
+            if rule_id not in RULES:
+                raise ValueError(f"unknown rule {rule_id!r}; rules: {', '.join(sorted(RULES))}")
+            try:
+                RULES[rule_id].settings_type(**rule.settings)
+            except ValidationError as exc:
+                raise ValueError(f"rule {rule_id}: {_first_error(exc)}") from None
+        return value
+
+    @field_validator("engines")
+    @classmethod
+    def _engines(cls, value: list[EngineSpec]) -> list[EngineSpec]:
+        names = [e.name for e in value]
+        duplicate = next((n for n in names if names.count(n) > 1), None)
+        if duplicate:
+            raise ValueError(f"two engines are named {duplicate!r}: names must be unique")
+        if not value:
+            raise ValueError("no engine: configure at least one [[engines]] entry")
+        return value
+
+    def policy(self, rule_id: str) -> Policy:
+        rule = self.rules.get(rule_id)
+        return rule.policy if rule else "suggest"
+
+    def rule_settings(self) -> dict[str, BaseModel]:
+        return {rule_id: RULES[rule_id].settings_type(**rule.settings) for rule_id, rule in self.rules.items()}
+
+    @property
+    def state_path(self) -> Path:
+        return Path(os.path.expanduser(self.supervisor.state_dir))
+
+
+def _first_error(exc: ValidationError) -> str:
+    error = exc.errors()[0]
+    where = _location(error.get("loc", ()))
+    message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+    if error.get("type") == "extra_forbidden":
+        message = "unknown key"
+    given = error.get("input")
+    shown = f" (got {given!r})" if error.get("type") not in ("extra_forbidden", "missing") and not isinstance(
+        given, dict | list) else ""
+    return f"{where}: {message}{shown}" if where else f"{message}{shown}"
+
+
+def _location(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def parse_config(data: dict[str, Any], source: str) -> KvopsConfig:
+    """Validate a config mapping; ConfigError names `source`, the key and what is allowed."""
+    try:
+        return KvopsConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {_first_error(exc)}") from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> KvopsConfig:  # type: ignore[assignment]
+    """Read the TOML file (None: defaults), apply `--set key.path=value` overrides, validate."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"{source}: no such config file (see kvops.example.toml for one to start from)")
+        try:
+            data = tomllib.loads(file.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    for override in overrides:
+        apply_override(data, override)
+    return parse_config(data, source)
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """`engines.0.args.block_size=32` or `rules.swap_storm.policy=auto`: the value is read as TOML
+    (numbers, booleans, quoted strings, arrays), or taken as a plain string."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {override!r}: write key.path=value, e.g. rules.swap_storm.policy=auto")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    parts = key.strip().split(".")
+    node: Any = data
+    for index, part in enumerate(parts[:-1]):
+        following = parts[index + 1]
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"--set {override!r}: {'.'.join(parts[: index + 1])} is not an existing list entry")
+            node = node[int(part)]
+            continue
+        if part == "engines" and part not in node:
+            node[part] = [{"name": "default"}]
+        node = node.setdefault(part, [] if following.isdigit() else {})
+    last = parts[-1]
+    if isinstance(node, list):
+        raise ConfigError(f"--set {override!r}: cannot set a whole list entry; name a key inside it")
+    node[last] = value

@@ -1,0 +1,60 @@
+"""A diagnosis: what a rule found, the numbers behind it, and the fix it proposes.
+
+Diagnoses cross process boundaries (the supervisor API, `kvops top`, alert payloads), so they
+are pydantic models. A diagnosis is identified by (rule id, engine, subject): the same problem
+seen on the next evaluation is the same diagnosis, which is what alert deduplication and fix
+verification key on.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+
+class Severity(enum.StrEnum):
+    INFO = "info"
+    WARNING = "warning"
+    CRITICAL = "critical"
+
+
+class FixKind(enum.StrEnum):
+    ADMIN = "admin"  # a live change through the engine's admin API
+    RESTART = "restart"  # a managed restart with a changed engine config (drained first)
+    REPORT = "report"  # nothing kvops can change itself: the fix text is advice for a person
+
+
+class Fix(BaseModel):
+    """What to change. `action` names an admin call or the engine settings to restart with."""
+
+    kind: FixKind
+    action: str  # admin: set_normalization | set_prefix_caching | set_eviction_policy | set_tenant_quota;
+    # restart: restart_engine; report: advice
+    params: dict[str, Any] = Field(default_factory=dict)  # e.g. {"mode": "on"}, {"block_size": 32}
+    description: str  # one sentence a person can act on, with the numbers
+
+
+class Verification(BaseModel):
+    """How to tell whether the fix helped: which evidence value must move, and which way."""
+
+    evidence_key: str
+    better: Literal["lower", "higher"]
+    min_change: float = 0.0  # relative change required to count as help (0.1 = 10%)
+
+
+class Diagnosis(BaseModel):
+    rule: str  # stable rule id, e.g. "kv_oom_runtime"
+    engine: str  # the engine's name in the supervisor config
+    subject: str = ""  # what inside the engine, when a rule can fire several times (a tenant, a layer)
+    severity: Severity
+    title: str  # short, fixed per rule
+    summary: str  # one line with the numbers, e.g. "free blocks run out in 42 s at the current rate"
+    evidence: dict[str, float | int | str | bool | None]
+    fix: Fix | None = None
+    verification: Verification | None = None
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.rule, self.engine, self.subject)

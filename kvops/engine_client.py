@@ -1,0 +1,87 @@
+"""Talking to a kvops engine over its HTTP API: the only way the supervisor touches an engine.
+
+That contract (DESIGN.md) is what lets kvops watch engines it does not manage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from kvops.reports import BlockSizeProfile, KVQuantProfile
+from kvops.snapshot import Snapshot
+
+
+class EngineUnreachable(Exception):
+    """The engine did not answer, or answered with an error; the message says which."""
+
+
+# Admin actions a fix may name, and the engine endpoint each one calls.
+ADMIN_ACTIONS = ("set_normalization", "set_prefix_caching", "set_eviction_policy", "set_tenant_quota")
+
+
+class EngineClient:
+    def __init__(self, url: str, admin_token: str | None = None, timeout_s: float = 5.0) -> None:
+        self.url = url.rstrip("/")
+        self.admin_token = admin_token
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _request(self, method: str, path: str, *, admin: bool = False, timeout: float | None = None,
+                 **kwargs: Any) -> httpx.Response:
+        headers = {}
+        if admin:
+            if not self.admin_token:
+                raise EngineUnreachable(f"{self.url}{path} needs the engine's admin token, and none is configured "
+                                        "(admin_token_env in the engine's config)")
+            headers["Authorization"] = f"Bearer {self.admin_token}"
+        try:
+            if timeout is not None:
+                kwargs["timeout"] = timeout
+            response = self._http.request(method, path, headers=headers, **kwargs)
+        except httpx.HTTPError as exc:
+            raise EngineUnreachable(f"{method} {self.url}{path}: {type(exc).__name__}: {exc}") from None
+        if response.status_code >= 400:
+            try:
+                detail = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                detail = response.text[:200]
+            raise EngineUnreachable(f"{method} {self.url}{path}: HTTP {response.status_code}: {detail}")
+        return response
+
+    def health(self) -> dict[str, Any]:
+        return self._request("GET", "/health").json()
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot.model_validate_json(self._request("GET", "/stats").content)
+
+    def knobs(self) -> dict[str, Any]:
+        return self._request("GET", "/admin/config", admin=True).json()
+
+    def admin(self, action: str, params: dict[str, Any]) -> dict[str, Any]:
+        """Apply one admin action; returns the knobs after it."""
+        if action == "set_normalization":
+            response = self._request("PUT", "/admin/normalization", admin=True, json={"mode": params["mode"]})
+        elif action == "set_prefix_caching":
+            response = self._request("PUT", "/admin/prefix-caching", admin=True, json={"enabled": params["enabled"]})
+        elif action == "set_eviction_policy":
+            response = self._request("PUT", "/admin/eviction-policy", admin=True, json={"policy": params["policy"]})
+        elif action == "set_tenant_quota":
+            body: dict[str, Any] = {"quota_blocks": params.get("quota_blocks")}
+            if "cache_salt" in params:
+                body["cache_salt"] = params["cache_salt"]
+            response = self._request("PUT", f"/admin/tenants/{params['tenant']}", admin=True, json=body)
+        else:
+            raise ValueError(f"unknown admin action {action!r}; known: {', '.join(ADMIN_ACTIONS)}")
+        return response.json()
+
+    def kv_quant_profile(self, timeout_s: float = 120.0) -> KVQuantProfile:
+        return KVQuantProfile.model_validate_json(
+            self._request("GET", "/admin/profile/kv-quant", admin=True, timeout=timeout_s).content)
+
+    def block_size_profile(self, timeout_s: float = 120.0) -> BlockSizeProfile:
+        return BlockSizeProfile.model_validate_json(
+            self._request("GET", "/admin/profile/block-size", admin=True, timeout=timeout_s).content)

@@ -1,0 +1,138 @@
+"""What the supervisor remembers about one engine: the raw material of every rule.
+
+Snapshots are kept at full rate for the recent past and downsampled (one per bucket) after
+that, so a day of history costs a bounded amount of memory. Health checks, engine exits and the
+on-demand profiles sit beside them. Rules read an `EngineHistory` and never change it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvops.reports import BlockSizeProfile, KVQuantProfile
+from kvops.snapshot import Snapshot
+
+Getter = Callable[[Snapshot], float]
+
+
+@dataclass(frozen=True)
+class HealthSample:
+    t: float  # unix seconds
+    up: bool
+    error: str = ""  # why the check failed
+
+
+@dataclass(frozen=True)
+class EngineExit:
+    t: float
+    exit_code: int | None  # None when killed by a signal
+    signal: int | None
+    stderr_tail: tuple[str, ...] = ()
+
+
+@dataclass
+class EngineHistory:
+    engine: str
+    managed: bool = True
+    full_rate_s: float = 300.0  # keep every snapshot this recent
+    bucket_s: float = 10.0  # older ones: one per bucket
+    max_age_s: float = 3600.0
+    snapshots: deque[Snapshot] = field(default_factory=deque)
+    health: deque[HealthSample] = field(default_factory=lambda: deque(maxlen=1000))
+    exits: deque[EngineExit] = field(default_factory=lambda: deque(maxlen=100))
+    restarts_total: int = 0
+    crash_loop: bool = False  # set by the engine manager when it stopped restarting
+    kv_profile: KVQuantProfile | None = None
+    block_size_profile: BlockSizeProfile | None = None
+
+    # ----------------------------------------------------------- recording
+
+    def add(self, snap: Snapshot) -> None:
+        self.snapshots.append(snap)
+        self._compact(snap.time)
+
+    def record_health(self, sample: HealthSample) -> None:
+        self.health.append(sample)
+
+    def record_exit(self, event: EngineExit) -> None:
+        self.exits.append(event)
+
+    def _compact(self, now: float) -> None:
+        while self.snapshots and self.snapshots[0].time < now - self.max_age_s:
+            self.snapshots.popleft()
+        # Downsample the part older than full_rate_s: keep the first snapshot of each bucket.
+        cutoff = now - self.full_rate_s
+        kept: deque[Snapshot] = deque()
+        last_bucket: int | None = None
+        changed = False
+        for snap in self.snapshots:
+            if snap.time >= cutoff:
+                kept.append(snap)
+                continue
+            bucket = int(snap.time // self.bucket_s)
+            if bucket == last_bucket:
+                changed = True
+                continue
+            last_bucket = bucket
+            kept.append(snap)
+        if changed:
+            self.snapshots = kept
+
+    # ------------------------------------------------------------- reading
+
+    @property
+    def latest(self) -> Snapshot | None:
+        return self.snapshots[-1] if self.snapshots else None
+
+    @property
+    def is_up(self) -> bool | None:
+        """The last health check's verdict (None before the first one)."""
+        return self.health[-1].up if self.health else None
+
+    def window(self, seconds: float, now: float | None = None) -> list[Snapshot]:
+        """Snapshots of the last `seconds` (ending at `now`, default the latest snapshot's time)."""
+        if not self.snapshots:
+            return []
+        end = self.snapshots[-1].time if now is None else now
+        return [s for s in self.snapshots if end - seconds <= s.time <= end]
+
+    def series(self, getter: Getter, seconds: float) -> list[tuple[float, float]]:
+        return [(s.time, float(getter(s))) for s in self.window(seconds)]
+
+    def delta(self, getter: Getter, seconds: float) -> float | None:
+        """Increase of a counter over the window; a counter that went down (engine restart) counts
+        from its reset, like Prometheus's `increase`."""
+        points = self.series(getter, seconds)
+        if len(points) < 2:
+            return None
+        total = 0.0
+        for (_, before), (_, after) in itertools.pairwise(points):
+            total += after - before if after >= before else after
+        return total
+
+    def rate(self, getter: Getter, seconds: float) -> float | None:
+        """Per-second increase of a counter over the window."""
+        points = self.series(getter, seconds)
+        if len(points) < 2 or points[-1][0] <= points[0][0]:
+            return None
+        increase = self.delta(getter, seconds)
+        return None if increase is None else increase / (points[-1][0] - points[0][0])
+
+    def trend(self, getter: Getter, seconds: float) -> float | None:
+        """Least-squares slope of a gauge over the window, per second."""
+        points = self.series(getter, seconds)
+        if len(points) < 3:
+            return None
+        n = len(points)
+        mean_t = sum(t for t, _ in points) / n
+        mean_v = sum(v for _, v in points) / n
+        var_t = sum((t - mean_t) ** 2 for t, _ in points)
+        if var_t == 0:
+            return None
+        return sum((t - mean_t) * (v - mean_v) for t, v in points) / var_t
+
+    def exits_within(self, seconds: float, now: float) -> list[EngineExit]:
+        return [e for e in self.exits if e.t >= now - seconds]

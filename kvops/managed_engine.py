@@ -1,0 +1,226 @@
+"""A managed engine: `kvops engine serve` as a child process, kept alive.
+
+The manager starts the engine, waits for `/health`, forwards its log lines, and when it exits
+records how (exit code, signal, the last lines of stderr) and restarts it with capped
+exponential backoff. Too many exits in a window is a crash loop: it stops restarting and says
+so, rather than spinning. The child dies with the supervisor (PR_SET_PDEATHSIG on Linux), so a
+killed supervisor leaves no orphan engine behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import IO, Any
+
+import structlog
+
+from kvops.config import EngineSpec
+from kvops.engine_client import EngineClient, EngineUnreachable
+from kvops.history import EngineExit, EngineHistory
+
+log = structlog.get_logger("kvops.supervisor.engine")
+
+STDERR_TAIL_LINES = 40
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: the kernel sends SIGTERM when the supervisor dies."""
+    with contextlib.suppress(OSError):  # not Linux: the supervisor's own shutdown path still stops the engine
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def engine_command(spec: EngineSpec, port: int, args: dict[str, Any]) -> list[str]:
+    """The `kvops engine serve` command line for these settings."""
+    cmd = [sys.executable, "-m", "kvops", "engine", "serve", "--host", spec.host, "--port", str(port),
+           "--drain-timeout", str(spec.drain_timeout_s)]
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            cmd.append(flag if value else flag.replace("--", "--no-", 1))
+        elif isinstance(value, list | tuple):
+            cmd += [flag, ",".join(str(v) for v in value)]
+        elif value is not None:
+            cmd += [flag, str(value)]
+    return cmd
+
+
+class ManagedEngine:
+    def __init__(self, spec: EngineSpec, history: EngineHistory, clock: Callable[[], float] = time.time) -> None:
+        self.spec = spec
+        self.history = history
+        self.clock = clock
+        self.args: dict[str, Any] = dict(spec.args)  # current settings; a restart fix changes them
+        self.admin_token = secrets.token_urlsafe(24)  # only the supervisor knows it
+        self.port = spec.port or free_port(spec.host)
+        self.url = f"http://{spec.host}:{self.port}"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.started_at = 0.0
+        self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
+        self.backoff_s = spec.restart.initial_backoff_s
+        self.next_start_at: float | None = None  # when a restart is due
+        self.stopping = False
+        self._lock = threading.RLock()
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process and self.process.poll() is None else None
+
+    def client(self) -> EngineClient:
+        return EngineClient(self.url, self.admin_token)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        with self._lock:
+            cmd = engine_command(self.spec, self.port, self.args)
+            env = {**os.environ, "KVOPS_ADMIN_TOKEN": self.admin_token, "PYTHONUNBUFFERED": "1"}
+            self.stderr_tail.clear()
+            self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                            preexec_fn=_die_with_parent)
+            self.started_at = self.clock()
+            self.next_start_at = None
+            log.info("engine started", engine=self.spec.name, pid=self.process.pid, url=self.url,
+                     args=self.args)
+            for stream, name in ((self.process.stdout, "stdout"), (self.process.stderr, "stderr")):
+                threading.Thread(target=self._forward, args=(stream, name), daemon=True,
+                                 name=f"kvops-engine-{self.spec.name}-{name}").start()
+
+    def _forward(self, stream: IO[bytes] | None, name: str) -> None:
+        """Engine log lines into the supervisor's log (JSON lines are re-emitted field by field)."""
+        if stream is None:
+            return
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip()
+            if not line:
+                continue
+            if name == "stderr":
+                self.stderr_tail.append(line)
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if isinstance(record, dict):
+                event = record.pop("event", "")
+                record.pop("timestamp", None)
+                level = str(record.pop("level", "info"))
+                getattr(log, level if level in ("debug", "info", "warning", "error") else "info")(
+                    f"engine: {event}", engine=self.spec.name, **record)
+            else:
+                log.info(f"engine: {line}", engine=self.spec.name, stream=name)
+
+    def wait_healthy(self, timeout_s: float | None = None) -> None:
+        """Block until /health answers; raise EngineUnreachable naming what was waited for."""
+        timeout_s = timeout_s or self.spec.health_timeout_s
+        deadline = time.monotonic() + timeout_s
+        client = EngineClient(self.url, timeout_s=2.0)
+        last_error = "no answer yet"
+        try:
+            while time.monotonic() < deadline:
+                process = self.process
+                if process is None or process.poll() is not None:
+                    tail = " | ".join(list(self.stderr_tail)[-3:])
+                    raise EngineUnreachable(
+                        f"engine {self.spec.name!r} exited with code {process.returncode if process else None} "
+                        f"before {self.url}/health answered; last stderr: {tail or '(none)'}")
+                try:
+                    client.health()
+                    return
+                except EngineUnreachable as exc:
+                    last_error = str(exc)
+                time.sleep(0.2)
+        finally:
+            client.close()
+        raise EngineUnreachable(f"engine {self.spec.name!r} did not answer {self.url}/health within "
+                                f"{timeout_s:.0f} s (health_timeout_s); last error: {last_error}")
+
+    def check(self) -> bool:
+        """Called every poll: notices an exit, records it, and (re)starts when due. Returns True
+        when the process is running."""
+        with self._lock:
+            now = self.clock()
+            process = self.process
+            if process is not None and process.poll() is not None:
+                self._on_exit(process, now)
+            due = self.next_start_at is not None and now >= self.next_start_at
+            if self.process is None and due and not self.stopping and not self.history.crash_loop:
+                self.history.restarts_total += 1
+                self.start()
+            if self.process is not None and now - self.started_at >= self.spec.restart.stable_after_s:
+                self.backoff_s = self.spec.restart.initial_backoff_s
+            return self.process is not None
+
+    def _on_exit(self, process: subprocess.Popen[bytes], now: float) -> None:
+        code = process.returncode
+        event = EngineExit(t=now, exit_code=code if code >= 0 else None, signal=-code if code < 0 else None,
+                           stderr_tail=tuple(self.stderr_tail))
+        self.history.record_exit(event)
+        self.process = None
+        if self.stopping:
+            return
+        policy = self.spec.restart
+        recent = self.history.exits_within(policy.crash_loop_window_s, now)
+        how = f"signal {signal.Signals(event.signal).name}" if event.signal else f"exit code {event.exit_code}"
+        if len(recent) >= policy.crash_loop_exits:
+            self.history.crash_loop = True
+            log.error("engine crash loop: not restarting", engine=self.spec.name, exits=len(recent),
+                      window_s=policy.crash_loop_window_s, last=how, stderr_tail=list(event.stderr_tail)[-5:])
+            return
+        self.next_start_at = now + self.backoff_s
+        log.warning("engine exited; restarting", engine=self.spec.name, how=how, in_s=self.backoff_s,
+                    stderr_tail=list(event.stderr_tail)[-5:])
+        self.backoff_s = min(self.backoff_s * 2, policy.max_backoff_s)
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """SIGTERM (the engine drains in-flight requests), then SIGKILL after the timeout."""
+        with self._lock:
+            self.stopping = True
+            process = self.process
+            if process is None or process.poll() is not None:
+                self.process = None
+                return
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=(timeout_s or self.spec.drain_timeout_s) + 5)
+            except subprocess.TimeoutExpired:
+                log.warning("engine did not stop in time; killing it", engine=self.spec.name, pid=process.pid)
+                process.kill()
+                process.wait()
+            log.info("engine stopped", engine=self.spec.name, exit_code=process.returncode)
+            self.process = None
+
+    def restart_with(self, args: dict[str, Any]) -> None:
+        """Drain and stop, then start with new settings and wait until healthy (a restart fix)."""
+        with self._lock:
+            self.stop()
+            self.args = dict(args)
+            self.stopping = False
+            self.history.crash_loop = False
+            self.history.restarts_total += 1
+            self.start()
+        self.wait_healthy()
+
+    def resume_after_crash_loop(self) -> None:
+        """A person (or a config change) says try again."""
+        with self._lock:
+            self.history.crash_loop = False
+            self.backoff_s = self.spec.restart.initial_backoff_s
+            self.next_start_at = self.clock()

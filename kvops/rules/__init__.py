@@ -1,0 +1,90 @@
+"""The rules catalog: one module per rule, each a pure function of an engine's history.
+
+A rule module defines `RULE_ID` (stable, snake_case), `TITLE`, `DESCRIPTION`, a pydantic
+`Settings` model (its thresholds, unknown keys rejected) and
+`evaluate(history, settings, now) -> list[Diagnosis]`. `now` is unix seconds, passed in so rules
+never read the clock (and tests replay any moment). A rule returns [] when the data is too thin
+to decide: it never guesses. See docs/rules.md for the catalog.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Generic, TypeVar
+
+import structlog
+from pydantic import BaseModel
+
+from kvops.diagnosis import Diagnosis
+from kvops.history import EngineHistory
+from kvops.rules import (
+    block_size_mismatch,
+    crash_loop,
+    engine_down,
+    host_bound,
+    kv_oom_runtime,
+    kv_oom_start,
+    kv_quant_error,
+    prefix_caching_off,
+    prompt_variance,
+    swap_storm,
+    tenant_pollution,
+)
+
+log = structlog.get_logger(__name__)
+
+SettingsT = TypeVar("SettingsT", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class Rule(Generic[SettingsT]):
+    id: str
+    evaluate: Callable[[EngineHistory, SettingsT, float], list[Diagnosis]]
+    settings_type: type[SettingsT]
+    description: str
+
+
+def _rule(module: ModuleType) -> Rule[Any]:
+    return Rule(id=module.RULE_ID, evaluate=module.evaluate, settings_type=module.Settings,
+                description=module.DESCRIPTION)
+
+
+_MODULES = (
+    engine_down,
+    crash_loop,
+    kv_oom_start,
+    kv_oom_runtime,
+    swap_storm,
+    tenant_pollution,
+    prompt_variance,
+    prefix_caching_off,
+    block_size_mismatch,
+    kv_quant_error,
+    host_bound,
+)
+
+RULES: dict[str, Rule[Any]] = {rule.id: rule for rule in map(_rule, _MODULES)}
+
+
+def evaluate_all(history: EngineHistory, settings_by_rule: Mapping[str, BaseModel] | None,
+                 now: float) -> list[Diagnosis]:
+    """Every rule, with its settings (the defaults when absent). A rule that raises is logged and
+    skipped: one broken rule must not blind the others."""
+    settings_by_rule = settings_by_rule or {}
+    for unknown in sorted(set(settings_by_rule) - set(RULES)):
+        log.warning("settings for an unknown rule ignored", rule=unknown, engine=history.engine)
+    diagnoses: list[Diagnosis] = []
+    for rule in RULES.values():
+        try:
+            settings = settings_by_rule.get(rule.id)
+            if settings is None:
+                settings = rule.settings_type()
+            if not isinstance(settings, rule.settings_type):
+                raise TypeError(f"settings for {rule.id} are a {type(settings).__name__}, "
+                                f"not {rule.settings_type.__name__}")
+            diagnoses.extend(rule.evaluate(history, settings, now))
+        except Exception:
+            log.exception("rule failed", rule=rule.id, engine=history.engine)
+    return diagnoses

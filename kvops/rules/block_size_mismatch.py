@@ -1,0 +1,177 @@
+"""Block-size mismatch, decided by measurement.
+
+The rule of thumb ("pick the block size from the prompt lengths") is folklore: the answer depends
+on the kernels, the model and the lengths actually served. So the rule fires only on a
+`BlockSizeProfile` (decode-step timings of candidate block sizes on this model and these lengths)
+in which the configured size is clearly slower than another candidate.
+
+Two observations from the live engine are reported beside it:
+
+- **Periodicity at the block size.** A decode step whose longest context has just crossed into a
+  new block (`max_context_len % block_size == 1`: the step wrote the block's first slot) pays for
+  the allocation and for attention over a nearly empty block. Each decode-only step's duration is
+  divided by the median of the steps with the same batch size (so batch changes do not count),
+  and `boundary_step_excess` = median ratio of boundary steps / median ratio of the others − 1.
+  Binning by phase rather than an autocorrelation at lag block_size: steps of a continuous batch
+  are not a regular series (sequences join and leave), but each step's phase is known exactly.
+- **Internal fragmentation** = 1 − used slots / allocated slots, averaged over the window.
+
+Without a profile, strong periodicity and fragmentation together give only an `info` diagnosis
+proposing the measurement (setting `suggest_profile`), never a block-size change.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from kvops.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
+from kvops.history import EngineHistory
+from kvops.reports import BlockSizeProfile, BlockSizeTiming
+from kvops.rules.common import Evidence, SnapshotRuleSettings, fresh_latest, median, recent_steps, run_span
+from kvops.snapshot import StepSample
+
+RULE_ID = "block_size_mismatch"
+TITLE = "Block-size mismatch: another block size decodes measurably faster"
+DESCRIPTION = "the block-size profile measured a candidate block size whose decode step is clearly faster"
+
+
+class Settings(SnapshotRuleSettings):
+    min_slowdown: float = Field(
+        0.10, gt=0, description="fire when the configured block size's decode step is this much slower than the "
+                                "proposed candidate's (0.10: 10%)")
+    max_fragmentation_increase: float = Field(
+        0.15, ge=0, le=1, description="a candidate whose expected fragmentation exceeds the configured size's by more "
+                                      "than this is not proposed: the pool would hold that much less")
+    max_profile_age_s: float = Field(86400.0, gt=0, description="a profile older than this is not acted on")
+    gap_above_iqr: bool = Field(True, description="the gap between the two candidates must also exceed the larger of "
+                                                  "their step-to-step spreads (iqr_ms): a smaller gap is noise")
+    window_s: float = Field(300.0, gt=0, description="steps and fragmentation are read over this window")
+    min_boundary_steps: int = Field(8, ge=2, description="decode-only steps just past a block boundary needed to "
+                                                         "measure periodicity (and four times as many others)")
+    suggest_profile: bool = Field(True, description="without a profile, emit an info diagnosis asking for one when "
+                                                    "periodicity and fragmentation are both strong")
+    periodicity_threshold: float = Field(0.15, gt=0, description="boundary_step_excess that counts as strong")
+    fragmentation_threshold: float = Field(0.25, gt=0, le=1, description="fragmentation that counts as strong")
+
+
+def boundary_step_excess(steps: list[StepSample], block_size: int, min_boundary_steps: int) -> float | None:
+    """How much slower decode steps just past a block boundary are than the others (0.2 = 20%)."""
+    if block_size < 2:
+        return None  # every step starts a block: there is no phase to compare
+    decode = [s for s in steps if s.decode_only and s.duration_s > 0]
+    by_batch: dict[int, list[float]] = {}
+    for step in decode:
+        by_batch.setdefault(step.num_seqs, []).append(step.duration_s)
+    typical = {n: median(durations) for n, durations in by_batch.items()}
+    boundary: list[float] = []
+    others: list[float] = []
+    for step in decode:
+        relative = step.duration_s / typical[step.num_seqs]
+        (boundary if step.max_context_len % block_size == 1 else others).append(relative)
+    if len(boundary) < min_boundary_steps or len(others) < 4 * min_boundary_steps:
+        return None
+    return median(boundary) / median(others) - 1
+
+
+def _timing(profile: BlockSizeProfile, block_size: int) -> BlockSizeTiming | None:
+    return next((c for c in profile.candidates if c.block_size == block_size), None)
+
+
+def _proposal(profile: BlockSizeProfile, configured: BlockSizeTiming,
+              settings: Settings) -> BlockSizeTiming | None:
+    """The fastest candidate that is clearly faster (by the relative margin, and beyond the noise)
+    and does not waste much more of the pool."""
+
+    def clearly_faster(c: BlockSizeTiming) -> bool:
+        gap = configured.decode_step_ms - c.decode_step_ms
+        noise = max(configured.iqr_ms, c.iqr_ms) if settings.gap_above_iqr else 0.0
+        return c.decode_step_ms > 0 and gap / c.decode_step_ms > settings.min_slowdown and gap > noise
+
+    acceptable = [c for c in profile.candidates
+                  if c.block_size != configured.block_size and clearly_faster(c)
+                  and c.fragmentation - configured.fragmentation <= settings.max_fragmentation_increase]
+    return min(acceptable, key=lambda c: c.decode_step_ms, default=None)
+
+
+def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Diagnosis]:
+    latest = fresh_latest(history, now, settings.max_snapshot_age_s)
+    if latest is None:
+        return []
+    block_size = latest.engine.block_size
+    span = run_span(latest, settings.window_s)
+    snaps = history.window(span)
+    steps = recent_steps(snaps, latest.time - span)
+    excess = boundary_step_excess(steps, block_size, settings.min_boundary_steps)
+    decode_ms = [s.duration_s * 1000 for s in steps if s.decode_only]
+    step_ms = median(decode_ms) if decode_ms else None
+    fragmentation_samples = [1 - s.blocks.used_slots / s.blocks.allocated_slots
+                             for s in snaps if s.blocks.allocated_slots > 0]
+    fragmentation = sum(fragmentation_samples) / len(fragmentation_samples) if fragmentation_samples else None
+    live: Evidence = {
+        "block_size": block_size,
+        "boundary_step_excess": None if excess is None else round(excess, 4),
+        "decode_steps": len(decode_ms),
+        "decode_step_ms_median": None if step_ms is None else round(step_ms, 3),
+        "fragmentation": None if fragmentation is None else round(fragmentation, 4),
+    }
+
+    # A profile of another configuration (taken before a restart), an old one, or one measured on the
+    # fixed default lengths (before anything was served) says nothing about this engine's workload.
+    profile = history.block_size_profile
+    if profile is not None and (profile.configured != block_size or profile.lengths_from != "recent"
+                                or now - profile.measured_at > settings.max_profile_age_s):
+        profile = None
+    if profile is not None:
+        configured = _timing(profile, block_size)
+        proposal = _proposal(profile, configured, settings) if configured is not None else None
+        if configured is None or proposal is None:
+            return []
+        slowdown = configured.decode_step_ms / proposal.decode_step_ms - 1
+        return [Diagnosis(
+            rule=RULE_ID,
+            engine=history.engine,
+            severity=Severity.WARNING,
+            title=TITLE,
+            summary=(f"block size {block_size} decodes in {configured.decode_step_ms:.2f} ms per step, "
+                     f"{proposal.block_size} in {proposal.decode_step_ms:.2f} ms ({slowdown:.0%} slower), measured "
+                     f"at batch {profile.batch_size}"),
+            evidence={
+                **live,
+                "profile_best": profile.best,
+                "proposed_block_size": proposal.block_size,
+                "configured_decode_step_ms": round(configured.decode_step_ms, 3),
+                "proposed_decode_step_ms": round(proposal.decode_step_ms, 3),
+                "configured_iqr_ms": round(configured.iqr_ms, 3),
+                "proposed_iqr_ms": round(proposal.iqr_ms, 3),
+                "slowdown": round(slowdown, 4),
+                "configured_fragmentation": round(configured.fragmentation, 4),
+                "proposed_fragmentation": round(proposal.fragmentation, 4),
+                "profile_batch_size": profile.batch_size,
+                "profile_age_s": round(now - profile.measured_at, 1),
+            },
+            fix=Fix(kind=FixKind.RESTART, action="restart_engine", params={"block_size": proposal.block_size},
+                    description=f"drain and restart with block_size={proposal.block_size} (measured "
+                                f"{slowdown:.0%} faster decode steps than {block_size})"),
+            # The live decode step must get faster by at least half of what the profile promised.
+            verification=Verification(evidence_key="decode_step_ms_median", better="lower",
+                                      min_change=round(slowdown / (1 + slowdown) / 2, 4))
+            if step_ms is not None else None,
+        )]
+
+    strong = (excess is not None and excess >= settings.periodicity_threshold
+              and fragmentation is not None and fragmentation >= settings.fragmentation_threshold)
+    if not settings.suggest_profile or not strong:
+        return []
+    return [Diagnosis(
+        rule=RULE_ID,
+        engine=history.engine,
+        severity=Severity.INFO,
+        title=TITLE,
+        summary=(f"decode steps just past a block boundary are {excess:.0%} slower and {fragmentation:.0%} of "
+                 f"allocated slots are empty at block size {block_size}: measure other block sizes"),
+        evidence=live,
+        fix=Fix(kind=FixKind.REPORT, action="advice",
+                description="take a block-size profile (GET /admin/profile/block-size: decode-step timings of "
+                            "candidate block sizes) before changing the block size: periodicity and fragmentation "
+                            "alone do not say which is faster"),
+    )]

@@ -1,0 +1,244 @@
+"""What the rules share: the settings base, "is there enough data", and the small measurements
+several rules make (reclaimable blocks, the engine's GPU, recent decode steps, the capacity fix).
+
+Every helper is a pure function of snapshots; none reads the clock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Iterable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvops.diagnosis import Fix, FixKind
+from kvops.history import EngineHistory, Getter
+from kvops.snapshot import GpuStats, Snapshot, StepSample
+
+Evidence = dict[str, float | int | str | bool | None]
+
+# A window must be at least this much covered by snapshots before a rule reads a trend or a rate
+# from it: a rule that just saw the engine start would otherwise extrapolate from two points.
+MIN_COVERAGE = 0.5
+
+# Raising the KV budget is proposed only when the engine's GPU has this share of the extra bytes
+# free on top (allocator fragmentation and activations need room too).
+GPU_HEADROOM = 0.9
+
+
+class RuleSettings(BaseModel):
+    """Base of every rule's settings: unknown keys are an error, so a typo in the config is caught."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SnapshotRuleSettings(RuleSettings):
+    max_snapshot_age_s: float = Field(
+        60.0, gt=0,
+        description="the latest snapshot must be at most this old at evaluation time; older data is stale "
+                    "(the engine stopped answering: engine_down covers that) and the rule stays silent")
+
+
+def fresh_latest(history: EngineHistory, now: float, max_age_s: float) -> Snapshot | None:
+    """The latest snapshot, unless there is none or it is stale."""
+    latest = history.latest
+    if latest is None or now - latest.time > max_age_s:
+        return None
+    return latest
+
+
+def run_span(latest: Snapshot, window_s: float) -> float:
+    """The window clipped to the current engine run: counters and gauges from before a restart
+    (another config, another pool) must not leak into this run's trends."""
+    return max(0.0, min(window_s, latest.uptime_s))
+
+
+def steady_span(history: EngineHistory, latest: Snapshot, window_s: float,
+                same: Callable[[Snapshot], object]) -> float:
+    """The run window clipped further to the snapshots where `same(snapshot)` equals the latest's
+    (e.g. the normalization mode): a live switch changes what the counters mean."""
+    span = run_span(latest, window_s)
+    current = same(latest)
+    earliest = latest.time
+    for snap in reversed(history.window(span)):
+        if same(snap) != current:
+            break
+        earliest = snap.time
+    return latest.time - earliest
+
+
+def covered(snaps: list[Snapshot], window_s: float, min_samples: int) -> bool:
+    """Enough snapshots, spread over enough of the window, to read a rate or a trend."""
+    if len(snaps) < max(2, min_samples):
+        return False
+    return snaps[-1].time - snaps[0].time >= MIN_COVERAGE * window_s
+
+
+def earlier_and_recent(history: EngineHistory, getter: Getter, span: float) -> tuple[float, float] | None:
+    """A counter's increase over the first and the second half of the window (None when either
+    half has no data), so a rule can tell "rising" from "steady"."""
+    whole = history.delta(getter, span)
+    recent = history.delta(getter, span / 2)
+    if whole is None or recent is None:
+        return None
+    return whole - recent, recent
+
+
+def halves_duration(history: EngineHistory, span: float) -> tuple[float, float] | None:
+    """Seconds covered by the first and the second half, matching `earlier_and_recent`."""
+    whole = history.window(span)
+    recent = history.window(span / 2)
+    if len(whole) < 2 or len(recent) < 2:
+        return None
+    return recent[0].time - whole[0].time, recent[-1].time - recent[0].time
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator <= 0:
+        return None
+    return numerator / denominator
+
+
+def rounded(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def reclaimable_blocks(snap: Snapshot) -> int:
+    """Blocks an allocation can take without preempting anyone: free, cached (evictable) and
+    pending-free (reclaimed at the next step)."""
+    counts = snap.blocks.counts
+    return counts.get("free", 0) + counts.get("cached", 0) + counts.get("pending_free", 0)
+
+
+def live_blocks(snap: Snapshot) -> int:
+    """Device blocks held by live sequences."""
+    counts = snap.blocks.counts
+    return counts.get("filling", 0) + counts.get("full", 0)
+
+
+def blocks_per_seq(snaps: list[Snapshot]) -> float | None:
+    """How many blocks a sequence needs, for sizing concurrency or the pool: the larger of the most
+    seen per running sequence in the window and what a p95 prompt plus the mean generation takes
+    (sequences still growing hold less than they will), at most one max_model_len request."""
+    if not snaps:
+        return None
+    latest = snaps[-1]
+    engine = latest.engine
+    observed = [live_blocks(s) / s.requests.running for s in snaps if s.requests.running > 0]
+    candidates = [max(observed)] if observed else []
+    p95 = latest.prompt_lengths.p95
+    finished = latest.requests.finished_total
+    if p95 is not None and finished > 0:
+        mean_generation = latest.requests.generation_tokens_total / finished
+        candidates.append(blocks_for(math.ceil(p95 + mean_generation), engine.block_size))
+    if not candidates or max(candidates) <= 0:
+        return None
+    return min(max(candidates), blocks_for(engine.max_model_len, engine.block_size))
+
+
+def engine_gpus(snap: Snapshot) -> list[GpuStats]:
+    """The GPU(s) the engine runs on, or [] when it runs on the CPU or there is no GPU data.
+
+    The engine's device index is torch's (after CUDA_VISIBLE_DEVICES), NVML's is physical: when the
+    index does not match a reported GPU, all reported GPUs are taken."""
+    process = snap.process
+    if process.gpu_status != "ok" or not process.gpus or not snap.engine.device.startswith("cuda"):
+        return []
+    _, _, index = snap.engine.device.partition(":")
+    wanted = int(index) if index.isdigit() else 0
+    matching = [gpu for gpu in process.gpus if gpu.index == wanted]
+    return matching or list(process.gpus)
+
+
+def gpu_free_bytes(snap: Snapshot) -> int | None:
+    gpus = engine_gpus(snap)
+    if not gpus:
+        return None
+    return min(gpu.memory_total_bytes - gpu.memory_used_bytes for gpu in gpus)
+
+
+def memory_evidence(snap: Snapshot) -> Evidence:
+    """Process and GPU memory headroom, for rules that propose a larger KV budget."""
+    gpus = engine_gpus(snap)
+    return {
+        "rss_bytes": snap.process.rss_bytes,
+        "gpu_memory_used_bytes": sum(g.memory_used_bytes for g in gpus) if gpus else None,
+        "gpu_memory_total_bytes": sum(g.memory_total_bytes for g in gpus) if gpus else None,
+        "gpu_memory_free_bytes": gpu_free_bytes(snap),
+    }
+
+
+def recent_steps(snaps: Iterable[Snapshot], since: float) -> list[StepSample]:
+    """Step samples with t >= since, oldest first, each once. Snapshots repeat the last 512 steps,
+    so going newest first each snapshot only adds the steps older than those already seen (a
+    bisect per snapshot: this runs at every poll over hundreds of snapshots)."""
+    collected: list[list[StepSample]] = []
+    oldest_seen = math.inf
+    for snap in sorted(snaps, key=lambda s: s.time, reverse=True):
+        steps = snap.steps
+        if not steps or steps[0].t >= oldest_seen:
+            continue  # nothing older than what newer snapshots already gave
+        lo = bisect.bisect_left(steps, since, key=lambda s: s.t)
+        hi = bisect.bisect_left(steps, oldest_seen, key=lambda s: s.t)
+        if hi > lo:
+            collected.append(steps[lo:hi])
+            oldest_seen = steps[lo].t
+        if lo > 0:  # this snapshot already reaches back past `since`
+            break
+    return [step for chunk in reversed(collected) for step in chunk]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty list."""
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def capacity_fix(latest: Snapshot, blocks_per_seq: float, target_usage: float,
+                 reason: str) -> tuple[Fix | None, Evidence]:
+    """Restart so that `max_num_seqs` sequences of the observed size fit in `target_usage` of the
+    pool: with a larger KV budget when the engine's GPU has that memory free, else with fewer
+    concurrent sequences (always safe: requests queue instead of preempting each other), else with
+    the budget anyway (the description says how much is needed). None when the pool already holds
+    `max_num_seqs` sequences of that size: the numbers do not say what to change.
+
+    Returns the fix and the numbers behind the options, for the evidence."""
+    engine = latest.engine
+    block_bytes = engine.block_size * engine.bytes_per_token
+    budget_blocks = math.ceil(engine.max_num_seqs * blocks_per_seq / target_usage)
+    budget_bytes = budget_blocks * block_bytes
+    extra_bytes = budget_bytes - engine.kv_cache_bytes
+    fit_seqs = max(1, math.floor(target_usage * engine.num_blocks / blocks_per_seq))
+    free = gpu_free_bytes(latest)
+    numbers: Evidence = {
+        "blocks_per_seq": round(blocks_per_seq, 2),
+        "fit_max_num_seqs": fit_seqs,
+        "fit_kv_cache_memory_bytes": budget_bytes,
+    }
+    if extra_bytes > 0 and free is not None and extra_bytes <= GPU_HEADROOM * free:
+        return Fix(kind=FixKind.RESTART, action="restart_engine", params={"kv_cache_memory": budget_bytes},
+                   description=f"{reason}: restart with kv_cache_memory={budget_bytes} bytes ({budget_blocks} blocks, "
+                               f"+{extra_bytes} bytes; the GPU has {free} free) so {engine.max_num_seqs} sequences "
+                               f"of ~{blocks_per_seq:.1f} blocks fit"), numbers
+    if fit_seqs < engine.max_num_seqs:
+        return Fix(kind=FixKind.RESTART, action="restart_engine", params={"max_num_seqs": fit_seqs},
+                   description=f"{reason}: restart with max_num_seqs={fit_seqs} (now {engine.max_num_seqs}): "
+                               f"{fit_seqs} sequences of ~{blocks_per_seq:.1f} blocks fit in {target_usage:.0%} of "
+                               f"{engine.num_blocks} blocks; or raise kv_cache_memory to {budget_bytes} bytes"), numbers
+    if extra_bytes <= 0:
+        return None, numbers
+    return Fix(kind=FixKind.RESTART, action="restart_engine", params={"kv_cache_memory": budget_bytes},
+               description=f"{reason}: restart with kv_cache_memory={budget_bytes} bytes ({budget_blocks} blocks, "
+                           f"+{extra_bytes} bytes; check the device has that memory free)"), numbers

@@ -1,0 +1,68 @@
+"""Prefix caching off on a shared-prefix workload.
+
+With caching disabled the engine still looks every prompt up in a shadow cache of the same size
+(`potential_*` counters): the hit rate caching would have had. Over the window (counter deltas,
+only while caching has been off), a high potential hit rate is prefill work thrown away.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from kvops.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
+from kvops.history import EngineHistory
+from kvops.rules.common import SnapshotRuleSettings, covered, fresh_latest, steady_span
+
+RULE_ID = "prefix_caching_off"
+TITLE = "Prefix caching is off on a shared-prefix workload"
+DESCRIPTION = "prefix caching is disabled while a shadow cache measures a high hit rate it would have had"
+
+
+class Settings(SnapshotRuleSettings):
+    window_s: float = Field(300.0, gt=0, description="the potential hit rate is read over this window")
+    min_samples: int = Field(3, ge=2, description="snapshots needed in the window (covering half of it)")
+    min_queried_tokens: int = Field(2000, ge=1, description="prompt tokens the shadow cache must have looked up in "
+                                                            "the window")
+    min_potential_hit_rate: float = Field(0.3, gt=0, le=1, description="fire when caching would have served at least "
+                                                                       "this share of prompt tokens")
+
+
+def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Diagnosis]:
+    latest = fresh_latest(history, now, settings.max_snapshot_age_s)
+    if latest is None or latest.engine.enable_prefix_caching:
+        return []
+    span = steady_span(history, latest, settings.window_s, lambda s: s.engine.enable_prefix_caching)
+    snaps = history.window(span)
+    if not covered(snaps, settings.window_s, settings.min_samples):
+        return []
+    potential_queries = history.delta(lambda s: s.prefix_cache.potential_queries_total, span) or 0.0
+    if potential_queries < settings.min_queried_tokens:
+        return []
+    potential_hits = history.delta(lambda s: s.prefix_cache.potential_hits_total, span) or 0.0
+    potential_hit_rate = potential_hits / potential_queries
+    if potential_hit_rate < settings.min_potential_hit_rate:
+        return []
+    queries = history.delta(lambda s: s.prefix_cache.queries_total, span) or 0.0
+    hits = history.delta(lambda s: s.prefix_cache.hits_total, span) or 0.0
+    hit_rate = hits / queries if queries > 0 else 0.0
+    return [Diagnosis(
+        rule=RULE_ID,
+        engine=history.engine,
+        severity=Severity.WARNING,
+        title=TITLE,
+        summary=(f"prefix caching is off; it would have served {potential_hit_rate:.0%} of {potential_queries:.0f} "
+                 f"prompt tokens in the last {span:.0f} s"),
+        evidence={
+            "enable_prefix_caching": False,
+            "potential_hit_rate": round(potential_hit_rate, 4),
+            "potential_queried_tokens": int(potential_queries),
+            "potential_hit_tokens": int(potential_hits),
+            "potential_hit_rate_total": round(latest.prefix_cache.potential_hit_rate, 4),
+            "hit_rate": round(hit_rate, 4),
+            "window_s": round(span, 1),
+        },
+        fix=Fix(kind=FixKind.ADMIN, action="set_prefix_caching", params={"enabled": True},
+                description=f"enable prefix caching: the shadow cache measured a {potential_hit_rate:.0%} hit rate"),
+        # From 0 any rise counts (the verifier takes the absolute change when the value before is 0).
+        verification=Verification(evidence_key="hit_rate", better="higher", min_change=0.0),
+    )]

@@ -1,0 +1,174 @@
+"""Tenant pollution: one tenant's allocations evict the cached blocks other tenants reuse.
+
+The engine counts cross-tenant evictions per tenant (`evictions_caused` by the allocating tenant,
+`evictions_suffered` by the block's owner). A polluter causes many of them over the window while
+reusing almost nothing itself (its own hit rate near zero: what it fills the cache with is never
+read again), and the harm shows as its victims' hit rate falling: the second half of the window
+against the first, or the window against the victims' hit rate before it, whichever fell more.
+One diagnosis per polluter (subject = the tenant).
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import Field
+
+from kvops.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
+from kvops.history import EngineHistory, Getter
+from kvops.rules.common import (
+    SnapshotRuleSettings,
+    blocks_for,
+    covered,
+    earlier_and_recent,
+    fresh_latest,
+    ratio,
+    rounded,
+    run_span,
+)
+from kvops.snapshot import Snapshot
+
+RULE_ID = "tenant_pollution"
+TITLE = "Tenant pollution: one tenant evicts the others' cached blocks"
+DESCRIPTION = "a tenant with no reuse of its own evicts other tenants' cached blocks and their hit rate falls"
+
+
+class Settings(SnapshotRuleSettings):
+    window_s: float = Field(300.0, gt=0, description="evictions and hit rates are compared over this window")
+    min_samples: int = Field(3, ge=2, description="snapshots needed in the window (covering half of it)")
+    min_evictions_caused: int = Field(64, ge=1, description="cross-tenant evictions the polluter must cause in "
+                                                            "the window")
+    max_polluter_hit_rate: float = Field(0.05, ge=0, le=1, description="the polluter's own hit rate over the window "
+                                                                      "must be at most this (its reuse near zero)")
+    min_polluter_prompt_tokens: int = Field(256, ge=1, description="prompt tokens the polluter must send in the window "
+                                                                  "for its hit rate to count")
+    min_victim_evictions: int = Field(16, ge=1, description="evictions the other tenants must suffer in the window")
+    min_victim_hit_rate_drop: float = Field(
+        0.05, ge=0, le=1, description="the victims' hit rate must have fallen by this much (absolute); 0 disables "
+                                      "the check")
+    min_victim_prompt_tokens: int = Field(256, ge=1, description="victims' prompt tokens needed in each compared "
+                                                                "period for its hit rate to count")
+    quota_pool_share: float = Field(0.25, gt=0, le=1, description="the proposed quota is at most this share of the "
+                                                                  "pool (and at least one max_model_len request)")
+    verify_min_change: float = Field(0.5, ge=0, description="relative fall of the victims' eviction rate that counts")
+
+
+def _tenant(field: str, tenants: tuple[str, ...]) -> Getter:
+    """A counter summed over some tenants (a tenant not yet seen counts 0)."""
+
+    def get(snap: Snapshot) -> float:
+        return sum(getattr(snap.tenants[t], field) for t in tenants if t in snap.tenants)
+
+    return get
+
+
+def _victims_hit_rate_drop(history: EngineHistory, snaps: list[Snapshot], span: float, victims: tuple[str, ...],
+                           min_tokens: int) -> dict[str, float | None]:
+    hits = earlier_and_recent(history, _tenant("hit_tokens_total", victims), span)
+    prompts = earlier_and_recent(history, _tenant("prompt_tokens_total", victims), span)
+    earlier = recent = window = before = None
+    if hits is not None and prompts is not None:
+        earlier = ratio(hits[0], prompts[0]) if prompts[0] >= min_tokens else None
+        recent = ratio(hits[1], prompts[1]) if prompts[1] >= min_tokens else None
+        whole = prompts[0] + prompts[1]
+        window = ratio(hits[0] + hits[1], whole) if whole >= min_tokens else None
+    # Before the window: the victims' cumulative hit rate up to its start.
+    first = snaps[0]
+    prompted = _tenant("prompt_tokens_total", victims)(first)
+    if prompted >= min_tokens:
+        before = _tenant("hit_tokens_total", victims)(first) / prompted
+    drops = [a - b for a, b in ((earlier, recent), (before, window)) if a is not None and b is not None]
+    return {"earlier": earlier, "recent": recent, "window": window, "before": before,
+            "drop": max(drops) if drops else None}
+
+
+def _quota(latest: Snapshot, tenant: str, peak_held: int, settings: Settings) -> int | None:
+    """Enough for what the tenant's live sequences held at their peak, at most a share of the pool,
+    never less than one max_model_len request; None when no quota below the current one is left."""
+    engine = latest.engine
+    one_request = blocks_for(engine.max_model_len, engine.block_size)
+    quota = max(one_request, min(peak_held, math.floor(settings.quota_pool_share * engine.num_blocks)))
+    current = latest.tenants[tenant].quota_blocks
+    if current is not None and quota >= current:
+        quota = max(one_request, current // 2)  # the current quota did not stop it: tighten
+        if quota >= current:
+            return None
+    return quota
+
+
+def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Diagnosis]:
+    latest = fresh_latest(history, now, settings.max_snapshot_age_s)
+    if latest is None or len(latest.tenants) < 2:
+        return []
+    span = run_span(latest, settings.window_s)
+    snaps = history.window(span)
+    if not covered(snaps, settings.window_s, settings.min_samples):
+        return []
+    elapsed = snaps[-1].time - snaps[0].time
+    names = tuple(sorted(latest.tenants))
+    suffered = {t: history.delta(_tenant("evictions_suffered", (t,)), span) or 0.0 for t in names}
+
+    diagnoses: list[Diagnosis] = []
+    for tenant in names:
+        caused = history.delta(_tenant("evictions_caused", (tenant,)), span) or 0.0
+        if caused < settings.min_evictions_caused:
+            continue
+        prompt_tokens = history.delta(_tenant("prompt_tokens_total", (tenant,)), span) or 0.0
+        hit_tokens = history.delta(_tenant("hit_tokens_total", (tenant,)), span) or 0.0
+        if prompt_tokens < settings.min_polluter_prompt_tokens:
+            continue  # its reuse is unknown: never guess
+        own_hit_rate = hit_tokens / prompt_tokens
+        if own_hit_rate > settings.max_polluter_hit_rate:
+            continue
+        victims = tuple(t for t in names if t != tenant and suffered[t] > 0)
+        victim_evictions = sum(suffered[t] for t in victims)
+        if victim_evictions < settings.min_victim_evictions:
+            continue
+        hit = _victims_hit_rate_drop(history, snaps, span, victims, settings.min_victim_prompt_tokens)
+        drop = hit["drop"]
+        if settings.min_victim_hit_rate_drop > 0 and (drop is None or drop < settings.min_victim_hit_rate_drop):
+            continue
+
+        peak_held = max(s.tenants[tenant].blocks_held for s in snaps if tenant in s.tenants)
+        quota = _quota(latest, tenant, peak_held, settings)
+        stats = latest.tenants[tenant]
+        fix = None if quota is None else Fix(
+            kind=FixKind.ADMIN, action="set_tenant_quota", params={"tenant": tenant, "quota_blocks": quota},
+            description=f"cap tenant {tenant!r} at {quota} blocks (it owns {stats.blocks_owned}, its live sequences "
+                        f"held at most {peak_held}): its allocations then evict its own unreused blocks first")
+
+        diagnoses.append(Diagnosis(
+            rule=RULE_ID,
+            engine=history.engine,
+            subject=tenant,
+            severity=Severity.WARNING,
+            title=TITLE,
+            summary=(f"tenant {tenant!r} caused {caused:.0f} evictions of other tenants' blocks in {elapsed:.0f} s "
+                     f"with a {own_hit_rate:.0%} hit rate of its own; victims ({', '.join(victims)}) lost "
+                     f"{drop or 0:.0%} hit rate"),
+            evidence={
+                "tenant": tenant,
+                "evictions_caused": int(caused),
+                "evictions_caused_per_s": round(caused / elapsed, 4),
+                "polluter_prompt_tokens": int(prompt_tokens),
+                "polluter_hit_rate": round(own_hit_rate, 4),
+                "blocks_held": stats.blocks_held,
+                "blocks_held_peak": peak_held,
+                "blocks_owned": stats.blocks_owned,
+                "current_quota_blocks": stats.quota_blocks,
+                "quota_blocks": quota,
+                "victims": ",".join(victims),
+                "victim_evictions_suffered": int(victim_evictions),
+                "victim_evictions_suffered_per_s": round(victim_evictions / elapsed, 4),
+                "victim_hit_rate_earlier": rounded(hit["earlier"]),
+                "victim_hit_rate_recent": rounded(hit["recent"]),
+                "victim_hit_rate_before_window": rounded(hit["before"]),
+                "victim_hit_rate_window": rounded(hit["window"]),
+                "victim_hit_rate_drop": rounded(drop),
+                "window_s": round(elapsed, 1),
+            },
+            fix=fix,
+            verification=Verification(evidence_key="victim_evictions_suffered_per_s", better="lower",
+                                      min_change=settings.verify_min_change) if fix is not None else None,
+        ))
+    return diagnoses

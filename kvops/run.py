@@ -1,0 +1,71 @@
+"""`kvops run`: load the config, start the supervisor, serve its API and /metrics until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from kvops.config import KvopsConfig, load_config, parse_config
+
+
+def add_run_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="TOML config (see kvops.example.toml); without one, "
+                        "kvops manages one engine on the default model")
+    parser.add_argument("--check-config", action="store_true", help="validate the config and exit")
+    parser.add_argument("--listen", help="address of the supervisor API and /metrics (default 127.0.0.1:9400)")
+    parser.add_argument("--state-dir", help="where the alert outbox and the audit log live")
+    parser.add_argument("--poll-interval", type=float, help="seconds between snapshots (default 0.5)")
+    parser.add_argument("--engine-url", action="append", default=[], metavar="URL",
+                        help="watch a kvops engine kvops does not manage (repeatable)")
+    parser.add_argument("--no-managed", action="store_true",
+                        help="start no engine: only watch the --engine-url / configured ones")
+    parser.add_argument("--policy", action="append", default=[], metavar="RULE=POLICY",
+                        help="fix policy of a rule: off, suggest or auto (repeatable)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="any config setting by its TOML path, e.g. engines.0.args.block_size=32 (repeatable)")
+
+
+def config_from_args(args: argparse.Namespace) -> KvopsConfig:
+    overrides = list(args.overrides)
+    for flag, key in ((args.listen, "supervisor.listen"), (args.state_dir, "supervisor.state_dir"),
+                      (args.poll_interval, "supervisor.poll_interval_s")):
+        if flag is not None:
+            overrides.append(f"{key}={flag!r}" if isinstance(flag, str) else f"{key}={flag}")
+    for item in args.policy:
+        rule, sep, policy = item.partition("=")
+        overrides.append(f"rules.{rule}.policy={policy!r}" if sep else f"rules.{item}.policy=")
+    config = load_config(args.config, overrides)
+    if args.engine_url or args.no_managed:
+        data: dict[str, Any] = config.model_dump()
+        engines = [] if args.no_managed else data["engines"]
+        engines += [{"name": f"watched-{i}", "url": url, "managed": False} for i, url in enumerate(args.engine_url)]
+        data["engines"] = engines
+        config = parse_config(data, args.config or "flags")
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    if args.check_config:
+        engines = ", ".join(f"{e.name} ({'managed' if e.managed else e.url})" for e in config.engines)
+        print(f"{args.config or 'defaults'}: OK — engines: {engines}; listen {config.supervisor.listen}; "
+              f"{len(config.alerting.receivers)} alert receiver(s)")
+        return 0
+    from kvops.alerting import AlertingConfigError
+    from kvops.engine.errors import ConfigError
+    from kvops.serving import serve
+    from kvops.supervisor import Supervisor
+    from kvops.supervisor_api import build_supervisor_app
+
+    try:
+        supervisor = Supervisor(config, admin_token=os.environ.get(config.supervisor.admin_token_env))
+    except AlertingConfigError as exc:
+        raise ConfigError(f"{args.config or 'config'}: alerting: {exc}") from None
+    host, port = config.supervisor.listen.rsplit(":", 1)
+    supervisor.start()
+    try:
+        code = serve(build_supervisor_app(supervisor), host, int(port), drain_timeout_s=5)
+    finally:
+        supervisor.stop()
+    return code

@@ -1,0 +1,29 @@
+"""Running an ASGI app until SIGTERM/SIGINT, then draining: shared by the engine and the supervisor."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import uvicorn
+from fastapi import FastAPI
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, except that a signal-initiated graceful shutdown exits 0: uvicorn
+    re-raises the signal afterwards, which would make a clean drain look like a kill."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
+
+
+def serve(app: FastAPI, host: str, port: int, drain_timeout_s: float) -> int:
+    """Run the app until SIGTERM/SIGINT: stop accepting, finish in-flight requests, drain, exit 0."""
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=max(1, int(drain_timeout_s)))
+    server = _DrainingServer(config)
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,212 @@
+"""`kvops run`: the supervisor loop.
+
+Every poll interval it checks each managed engine's process (restarting it when it died), reads
+each engine's snapshot into its history, evaluates the rules, hands the diagnoses to the
+alerter, and proposes, applies and judges fixes by policy. Profiles that take an engine a few
+seconds (the KV quantization error profile, the block-size measurement) run in a side thread on
+their own schedule, so polling never waits for them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from kvops.alerting import Alerter
+from kvops.config import EngineSpec, KvopsConfig
+from kvops.diagnosis import Diagnosis, Severity
+from kvops.engine_client import EngineClient, EngineUnreachable
+from kvops.fixes import AuditLog, FixManager
+from kvops.history import EngineHistory, HealthSample
+from kvops.managed_engine import ManagedEngine
+from kvops.rules import evaluate_all
+
+log = structlog.get_logger("kvops.supervisor")
+
+KV_PROFILE_INTERVAL_S = 3600.0
+BLOCK_SIZE_PROFILE_INTERVAL_S = 3600.0
+BLOCK_SIZE_PROFILE_MIN_REQUESTS = 50  # measure on a real length distribution, not an empty one
+
+
+@dataclass
+class EngineState:
+    spec: EngineSpec
+    history: EngineHistory
+    client: EngineClient
+    managed: ManagedEngine | None = None
+    last_error: str = ""
+    ready: bool = False  # answered since its last (re)start
+    diagnoses: list[Diagnosis] = field(default_factory=list)
+    next_kv_profile_at: float = 0.0
+    next_block_size_profile_at: float = 0.0
+    probing: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def url(self) -> str:
+        return self.managed.url if self.managed else str(self.spec.url)
+
+
+class Supervisor:
+    def __init__(self, config: KvopsConfig, admin_token: str | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.admin_token = admin_token
+        self.clock = clock
+        self.started_at = clock()
+        state_dir = config.state_path
+        state_dir.mkdir(parents=True, exist_ok=True)
+        settings = config.supervisor
+        self.external_url = settings.external_url or f"http://{settings.listen}"
+        self.alerter = Alerter(config.alerting, state_dir, self.external_url, clock=clock)
+        self.fixes = FixManager(AuditLog(state_dir / "audit.jsonl"), settings.verify_after_s, clock=clock)
+        self.rule_settings = config.rule_settings()
+        self.engines: dict[str, EngineState] = {}
+        for spec in config.engines:
+            history = EngineHistory(spec.name, managed=spec.managed)
+            if spec.managed:
+                managed = ManagedEngine(spec, history, clock=clock)
+                state = EngineState(spec, history, managed.client(), managed)
+            else:
+                token = _env(spec.admin_token_env)
+                state = EngineState(spec, history, EngineClient(str(spec.url), token))
+            self.engines[spec.name] = state
+        self.diagnoses: list[Diagnosis] = []
+        self.polls_total = 0
+        self.poll_errors: dict[str, int] = {name: 0 for name in self.engines}
+        self.last_poll_s = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvops-supervisor", daemon=True)
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        for state in self.engines.values():
+            if state.managed is not None:
+                state.managed.start()
+        self.alerter.start()
+        self._thread.start()
+        log.info("supervisor started", engines={s.name: s.url for s in self.engines.values()},
+                 listen=self.config.supervisor.listen)
+
+    def stop(self) -> None:
+        """Stop polling, drain and stop managed engines, deliver pending alerts."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+        for state in self.engines.values():
+            if state.managed is not None:
+                state.managed.stop()
+            state.client.close()
+        self.alerter.stop(flush_timeout_s=10.0)
+        log.info("supervisor stopped")
+
+    def _run(self) -> None:
+        interval = self.config.supervisor.poll_interval_s
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self.poll_once()
+            except Exception:  # one bad cycle must not end supervision
+                log.exception("poll cycle failed")
+            self._stop.wait(max(0.0, interval - (time.monotonic() - started)))
+
+    # ----------------------------------------------------------------- poll
+
+    def poll_once(self) -> list[Diagnosis]:
+        started = time.perf_counter()
+        with self._lock:
+            now = self.clock()
+            for state in self.engines.values():
+                self._poll_engine(state, now)
+            diagnoses: list[Diagnosis] = []
+            for state in self.engines.values():
+                state.diagnoses = evaluate_all(state.history, self.rule_settings, now)
+                diagnoses.extend(state.diagnoses)
+            self.diagnoses = diagnoses
+            # Alerts start once the rules have had time to see data: evaluating earlier would resolve
+            # the alerts restored from the outbox only to fire them again a minute later.
+            if now - self.started_at >= self.config.supervisor.alert_warmup_s:
+                self.alerter.evaluate([d for d in diagnoses if d.severity is not Severity.INFO], now)
+            self.fixes.consider(diagnoses, self.config.policy, self._targets)
+            self.polls_total += 1
+            self.last_poll_s = time.perf_counter() - started
+            return diagnoses
+
+    def _poll_engine(self, state: EngineState, now: float) -> None:
+        managed = state.managed
+        if managed is not None:
+            was = managed.process
+            running = managed.check()
+            if managed.process is not was:
+                state.ready = False  # a new process: wait for it to answer before judging it
+            if not running:
+                why = "crash loop: not restarting" if state.history.crash_loop else "engine process exited"
+                state.history.record_health(HealthSample(now, False, why))
+                state.last_error = why
+                return
+        try:
+            snap = state.client.snapshot()
+        except EngineUnreachable as exc:
+            self.poll_errors[state.name] += 1
+            state.last_error = str(exc)
+            # A managed engine still loading its model is not down, until its health timeout passes.
+            loading = managed is not None and not state.ready
+            if not loading or now - managed.started_at >= state.spec.health_timeout_s:  # type: ignore[union-attr]
+                state.history.record_health(HealthSample(now, False, str(exc)))
+            return
+        state.ready = True
+        state.last_error = ""
+        state.history.record_health(HealthSample(now, True))
+        state.history.add(snap)
+        self._schedule_probes(state, snap.engine.kv_cache_dtype != snap.engine.dtype,
+                              snap.requests.finished_total, now)
+
+    def _targets(self, engine: str) -> tuple[EngineClient, ManagedEngine | None]:
+        state = self.engines[engine]
+        return state.client, state.managed
+
+    # --------------------------------------------------------------- probes
+
+    def _schedule_probes(self, state: EngineState, quantized: bool, finished: int, now: float) -> None:
+        if state.probing or state.client.admin_token is None:
+            return
+        due_kv = quantized and now >= state.next_kv_profile_at
+        due_bs = finished >= BLOCK_SIZE_PROFILE_MIN_REQUESTS and now >= state.next_block_size_profile_at
+        if not (due_kv or due_bs):
+            return
+        state.probing = True
+        threading.Thread(target=self._probe, args=(state, due_kv, due_bs), daemon=True,
+                         name=f"kvops-probe-{state.name}").start()
+
+    def _probe(self, state: EngineState, kv: bool, block_size: bool) -> None:
+        client = EngineClient(state.url, state.client.admin_token)
+        try:
+            if kv:
+                state.next_kv_profile_at = self.clock() + KV_PROFILE_INTERVAL_S
+                state.history.kv_profile = client.kv_quant_profile()
+                log.info("kv quantization profile", engine=state.name, flagged=state.history.kv_profile.flagged)
+            if block_size:
+                state.next_block_size_profile_at = self.clock() + BLOCK_SIZE_PROFILE_INTERVAL_S
+                state.history.block_size_profile = client.block_size_profile()
+                profile = state.history.block_size_profile
+                log.info("block size profile", engine=state.name, configured=profile.configured, best=profile.best)
+        except EngineUnreachable as exc:
+            log.warning("profile failed", engine=state.name, error=str(exc))
+        finally:
+            client.close()
+            state.probing = False
+
+
+def _env(name: str | None) -> str | None:
+    import os
+
+    return os.environ.get(name) if name else None

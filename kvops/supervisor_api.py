@@ -1,0 +1,158 @@
+"""The supervisor's HTTP API (loopback by default): what `kvops top` and scripts read.
+
+GET  /health                                  the supervisor itself
+GET  /metrics                                 Prometheus exposition (kvops.exporter)
+GET  /api/engines                             every engine: url, managed, up, pid, restarts, crash loop, last error
+GET  /api/engines/{name}/snapshot             the latest snapshot
+GET  /api/engines/{name}/history?seconds=60   snapshots of the last N seconds
+GET  /api/diagnoses                           active diagnoses, all engines
+GET  /api/alerts                              pending and firing alerts
+GET  /api/audit                               the fix audit log
+POST /api/fixes/apply                         {"engine", "rule", "subject"}: apply a proposed fix (admin token)
+POST /api/fixes/{id}/revert                   undo an applied fix awaiting its verdict (admin token)
+POST /api/engines/{name}/resume               restart a managed engine stopped in a crash loop (admin token)
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Header
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from kvops import exporter
+from kvops.fixes import FixError
+
+if TYPE_CHECKING:
+    from kvops.supervisor import Supervisor
+
+
+class ApplyFixBody(BaseModel):
+    engine: str
+    rule: str
+    subject: str = ""
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+
+
+def build_supervisor_app(sup: Supervisor) -> FastAPI:
+    app = FastAPI(title="kvops supervisor", docs_url=None, redoc_url=None)
+
+    def denied(authorization: str | None) -> JSONResponse | None:
+        if not sup.admin_token:
+            return _error(403, "changing things needs an admin token: start kvops run with "
+                               f"${sup.config.supervisor.admin_token_env} set")
+        if not authorization or not authorization.startswith("Bearer "):
+            return _error(401, "this call needs 'Authorization: Bearer <admin token>'")
+        if not hmac.compare_digest(authorization.removeprefix("Bearer ").encode(), sup.admin_token.encode()):
+            return _error(403, "the admin token is wrong")
+        return None
+
+    def engine_or_404(name: str) -> Any:
+        state = sup.engines.get(name)
+        if state is None:
+            return None, _error(404, f"no engine named {name!r}; engines: {', '.join(sup.engines)}")
+        return state, None
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "engines": len(sup.engines), "polls": sup.polls_total}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = exporter.render(sup)
+        return Response(body, media_type=content_type)
+
+    @app.get("/api/engines")
+    async def engines() -> list[dict[str, Any]]:
+        out = []
+        for name, state in sup.engines.items():
+            latest = state.history.latest
+            out.append({
+                "name": name, "url": state.url, "managed": state.spec.managed, "up": state.history.is_up,
+                "pid": state.managed.pid if state.managed else (latest.engine.pid if latest else None),
+                "restarts": state.history.restarts_total, "crash_loop": state.history.crash_loop,
+                "last_error": state.last_error,
+                "last_exit": state.history.exits[-1].__dict__ if state.history.exits else None,
+                "args": state.managed.args if state.managed else None,
+                "diagnoses": len(state.diagnoses),
+                "snapshot_time": latest.time if latest else None,
+            })
+        return out
+
+    @app.get("/api/engines/{name}/snapshot")
+    async def snapshot(name: str) -> Response:
+        state, missing = engine_or_404(name)
+        if missing:
+            return missing
+        if state.history.latest is None:
+            return _error(404, f"no snapshot from engine {name!r} yet ({state.last_error or 'starting'})")
+        return Response(state.history.latest.model_dump_json(), media_type="application/json")
+
+    @app.get("/api/engines/{name}/history")
+    async def history(name: str, seconds: float = 60.0) -> Response:
+        state, missing = engine_or_404(name)
+        if missing:
+            return missing
+        snaps = state.history.window(seconds)
+        body = "[" + ",".join(s.model_dump_json() for s in snaps) + "]"
+        return Response(body, media_type="application/json")
+
+    @app.get("/api/diagnoses")
+    async def diagnoses() -> list[dict[str, Any]]:
+        return [d.model_dump(mode="json") for d in sup.diagnoses]
+
+    @app.get("/api/alerts")
+    async def alerts() -> list[dict[str, Any]]:
+        return [a.model_dump(mode="json") for a in sup.alerter.active_alerts()]
+
+    @app.get("/api/audit")
+    async def audit() -> list[dict[str, Any]]:
+        return sup.fixes.snapshot()
+
+    @app.post("/api/fixes/apply")
+    def apply_fix(body: ApplyFixBody, authorization: str | None = Header(default=None)) -> JSONResponse:
+        refusal = denied(authorization)
+        if refusal:
+            return refusal
+        state, missing = engine_or_404(body.engine)
+        if missing:
+            return missing
+        match = next((d for d in state.diagnoses if d.rule == body.rule and d.subject == body.subject), None)
+        if match is None:
+            return _error(404, f"no active diagnosis {body.rule!r} (subject {body.subject!r}) on {body.engine!r}")
+        try:
+            entry = sup.fixes.apply(match, state.client, state.managed)
+        except FixError as exc:
+            return _error(409, str(exc))
+        return JSONResponse(entry.model_dump(mode="json"))
+
+    @app.post("/api/fixes/{entry_id}/revert")
+    def revert_fix(entry_id: int, authorization: str | None = Header(default=None)) -> JSONResponse:
+        refusal = denied(authorization)
+        if refusal:
+            return refusal
+        try:
+            entry = sup.fixes.revert(entry_id)
+        except FixError as exc:
+            return _error(404, str(exc))
+        return JSONResponse(entry.model_dump(mode="json"))
+
+    @app.post("/api/engines/{name}/resume")
+    def resume(name: str, authorization: str | None = Header(default=None)) -> JSONResponse:
+        refusal = denied(authorization)
+        if refusal:
+            return refusal
+        state, missing = engine_or_404(name)
+        if missing:
+            return missing
+        if state.managed is None:
+            return _error(409, f"engine {name!r} is watched, not managed: kvops cannot restart it")
+        state.managed.resume_after_crash_loop()
+        return JSONResponse({"resumed": name})
+
+    return app

@@ -1,0 +1,41 @@
+"""The supervisor's memory of an engine: bounded, downsampled, and its derived series right."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from synthetic import snapshot
+
+from kvops.history import EngineHistory
+
+
+def test_recent_kept_at_full_rate_older_downsampled_oldest_dropped():
+    history = EngineHistory("e", full_rate_s=60, bucket_s=10, max_age_s=600)
+    for i in range(0, 2000):  # 0.5 s apart: 1000 s
+        history.add(snapshot(1000.0 + i * 0.5))
+    times = [s.time for s in history.snapshots]
+    assert times[-1] == 1000.0 + 1999 * 0.5
+    recent = [t for t in times if t >= times[-1] - 60]
+    older = [t for t in times if t < times[-1] - 60]
+    assert len(recent) == 121  # every snapshot of the last minute
+    assert len(older) <= 55 and all(b - a >= 9.5 for a, b in itertools.pairwise(older))
+    assert times[0] >= times[-1] - 600  # nothing older than max_age_s
+
+
+def test_rate_and_delta_survive_a_counter_reset():
+    history = EngineHistory("e")
+    values = [0, 10, 20, 5, 15]  # the engine restarted between 20 and 5
+    for i, v in enumerate(values):
+        history.add(snapshot(100.0 + i, requests={"preemptions_total": v}))
+    get = lambda s: s.requests.preemptions_total  # noqa: E731
+    assert history.delta(get, 60) == 10 + 10 + 5 + 10
+    assert history.rate(get, 60) == pytest.approx(35 / 4)
+
+
+def test_trend_of_a_falling_gauge():
+    history = EngineHistory("e")
+    for i in range(10):
+        history.add(snapshot(100.0 + i, requests={"running": 50 - 3 * i}))
+    assert history.trend(lambda s: s.requests.running, 60) == pytest.approx(-3.0)
+    assert EngineHistory("empty").trend(lambda s: s.requests.running, 60) is None
