@@ -45,6 +45,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=None,
                    help="what preemption does to a sequence's KV: swap it to the host pool or drop and recompute "
                         "it (default: swap when --swap-space is set, else recompute)")
+    g.add_argument("--debug-scale-k", default="", metavar="LAYER:FACTOR",
+                   help="testing aid: scale one layer's K projection, reproducing a model with outlier keys "
+                        "(the KV quantization error scenario)")
     g.add_argument("--seed", type=int, default=0, help="global sampling seed (default: %(default)s)")
 
 
@@ -66,4 +69,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_dtype_skip_layers=args.kv_cache_dtype_skip_layers,
         swap_space=args.swap_space,
         preemption_mode=args.preemption_mode,
+        debug_scale_k=args.debug_scale_k,
     )

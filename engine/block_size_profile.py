@@ -212,7 +212,8 @@ def profile_block_size(
     Runs on the caller's thread (the server runs it on the step loop, so serving pauses meanwhile).
     """
     started = time.perf_counter()
-    sizes = _check(engine, candidates, batch_size, repeats, max_context)
+    # The configured size is always measured: it is what every other candidate is compared with.
+    sizes = _check(engine, sorted({*candidates, engine.config.block_size}), batch_size, repeats, max_context)
     cap = min(engine.max_model_len, max_context or engine.max_model_len)
     batch, workload = _workload(engine, sizes, batch_size, cap)
     lens = workload.context_lens

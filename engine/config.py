@@ -67,6 +67,7 @@ class EngineConfig:
     kv_cache_dtype_skip_layers: str | Sequence[int | str] = ()  # layers kept in the model dtype
     swap_space: int | str = 0  # host KV pool for swapped-out sequences, bytes
     preemption_mode: str | None = None  # swap | recompute; None = swap when swap_space is set
+    debug_scale_k: str = ""  # testing aid, "LAYER:FACTOR": one layer's keys scaled, as in a model with outlier keys
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
@@ -99,5 +100,7 @@ class EngineConfig:
             raise ConfigError(f"--preemption-mode {self.preemption_mode!r} is not one of swap, recompute")
         if self.preemption_mode == "swap" and not self.swap_space:
             raise ConfigError("--preemption-mode swap needs a host pool: give --swap-space, e.g. 1GiB")
+        if self.debug_scale_k and not re.fullmatch(r"\d+:[0-9.eE+-]+", self.debug_scale_k):
+            raise ConfigError(f"--debug-scale-k {self.debug_scale_k!r}: write LAYER:FACTOR, e.g. 3:1000")
         if self.eviction_policy not in ("lru", "lfu"):
             raise ConfigError(f"--eviction-policy {self.eviction_policy!r} is not one of lru, lfu")

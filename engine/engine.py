@@ -81,6 +81,8 @@ class LLMEngine:
             )
         self.dtype = torch.float32 if config.dtype == "auto" else _TORCH_DTYPES[config.dtype]
         self.model = LlamaModel(hf, loaded.state_dict, self.dtype, self.max_model_len)
+        if config.debug_scale_k:
+            self._scale_keys(config.debug_scale_k)
         del loaded
         self.kv_pool = allocate_kv_pool(config, self.model.num_layers, self.model.num_kv_heads,
                                         self.model.head_dim, self.dtype, self.max_model_len)
@@ -112,6 +114,15 @@ class LLMEngine:
                  max_model_len=self.max_model_len,
                  max_concurrency=round(self.capacity.max_concurrency, 2),
                  load_s=round(time.monotonic() - started, 2))
+
+    def _scale_keys(self, spec: str) -> None:
+        layer, factor = spec.split(":")
+        if not 0 <= int(layer) < self.model.num_layers:
+            raise ConfigError(
+                f"--debug-scale-k names layer {layer}; the model has layers 0..{self.model.num_layers - 1}")
+        model = self.model
+        model.layers[int(layer)].qkv[model.q_size : model.q_size + model.kv_size] *= float(factor)
+        log.warning("debug: layer keys scaled", layer=int(layer), factor=float(factor))
 
     @property
     def dtype_name(self) -> str:
@@ -370,6 +381,11 @@ class LLMEngine:
             used += seq.num_computed_tokens if seq else 0
         return allocated, used
 
+    def _live_requested_len_p50(self) -> int | None:
+        lengths = sorted(min(seq.prompt_len + seq.params.max_tokens, self.max_model_len)
+                         for seq in self.sequences.values() if not seq.finished)
+        return lengths[len(lengths) // 2] if lengths else None
+
     def snapshot(self, include_gpu: bool = True) -> Snapshot:
         bm = self.block_manager
         counts = {state.value: bm.state_counts[state] for state in BlockState}
@@ -420,6 +436,7 @@ class LLMEngine:
                 preemptions_total=self.scheduler.preemptions_total,
                 prompt_tokens_total=self.stats.prompt_tokens_total,
                 generation_tokens_total=self.stats.generation_tokens_total,
+                live_requested_len_p50=self._live_requested_len_p50(),
             ),
             prompt_lengths=self.stats.prompt_lengths(),
             steps=list(self.stats.steps),

@@ -78,6 +78,17 @@ def resolve_model_dir(model: str | None) -> tuple[str, Path]:
     return path.name, path
 
 
+def load_tokenizer(model: str | None = None) -> Any:
+    """The model's tokenizer alone, without reading its weights: enough for a client that builds prompts.
+
+    Like `load_model`, the default model's GGUF is converted once if no earlier run has done it.
+    """
+    from transformers import AutoTokenizer
+
+    _, directory = resolve_model_dir(model)
+    return AutoTokenizer.from_pretrained(str(directory))
+
+
 def _converted_gguf(gguf: Path, name: str) -> Path:
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]

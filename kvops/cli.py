@@ -63,6 +63,10 @@ def _bench(argv: list[str]) -> int:
         from kvops import bench_kv
 
         return bench_kv.main(argv[1:])
+    if argv[:1] == ["load"]:
+        from kvops import loadgen
+
+        return loadgen.main(argv[1:])
     from kvops import bench
 
     return bench.main(argv)
@@ -109,8 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_args(run)
     run.set_defaults(handler=_run)
 
-    commands.add_parser("bench", help="benchmark the engine against transformers (`kvops bench --help`), or the KV "
-                        "cache dtypes against each other (`kvops bench kv-quant --help`)",
+    commands.add_parser("scenario", help="reproduce each diagnosis on the real engine (`kvops scenario list`)",
+                        add_help=False)
+    commands.add_parser("bench", help="benchmark the engine against transformers (`kvops bench --help`), the KV "
+                        "cache dtypes against each other (`kvops bench kv-quant --help`), or send a workload to "
+                        "an engine (`kvops bench load --help`)",
                         add_help=False)
     return parser
 
@@ -119,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
+    if argv[:1] == ["scenario"]:
+        from kvops.scenarios.cli import main as scenario_main
+
+        return scenario_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
 

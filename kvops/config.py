@@ -137,7 +137,7 @@ class KvopsConfig(_Strict):
             try:
                 RULES[rule_id].settings_type(**rule.settings)
             except ValidationError as exc:
-                raise ValueError(f"rule {rule_id}: {_first_error(exc)}") from None
+                raise ValueError(f"rule {rule_id}: {first_error(exc)}") from None
         return value
 
     @field_validator("engines")
@@ -163,7 +163,7 @@ class KvopsConfig(_Strict):
         return Path(os.path.expanduser(self.supervisor.state_dir))
 
 
-def _first_error(exc: ValidationError) -> str:
+def first_error(exc: ValidationError) -> str:
     error = exc.errors()[0]
     where = _location(error.get("loc", ()))
     message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
@@ -187,7 +187,18 @@ def parse_config(data: dict[str, Any], source: str) -> KvopsConfig:
     try:
         return KvopsConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{source}: {_first_error(exc)}") from None
+        raise ConfigError(f"{source}: {first_error(exc)}") from None
+
+
+def read_toml(path: str | Path, what: str, example: str, error: type[Exception] = ConfigError) -> dict[str, Any]:
+    """A TOML file as a mapping; `error` names the file and, when it is missing, a file to start from."""
+    file = Path(path)
+    if not file.is_file():
+        raise error(f"{path}: no such {what} ({example} is one to start from)")
+    try:
+        return tomllib.loads(file.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise error(f"{path}: not valid TOML: {exc}") from None
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> KvopsConfig:  # type: ignore[assignment]
@@ -196,13 +207,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> KvopsConf
     source = "defaults"
     if path is not None:
         source = str(path)
-        file = Path(path)
-        if not file.is_file():
-            raise ConfigError(f"{source}: no such config file (see kvops.example.toml for one to start from)")
-        try:
-            data = tomllib.loads(file.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+        data = read_toml(path, "config file", "kvops.example.toml")
     for override in overrides:
         apply_override(data, override)
     return parse_config(data, source)

@@ -60,6 +60,11 @@ class FixError(Exception):
     pass
 
 
+def _same_change(a: Fix | None, b: Fix | None) -> bool:
+    """The same change (descriptions carry live numbers and differ from poll to poll)."""
+    return a is not None and b is not None and (a.kind, a.action, a.params) == (b.kind, b.action, b.params)
+
+
 class AuditLog:
     """Bounded in memory, appended to `audit.jsonl` in the state directory, and logged."""
 
@@ -96,8 +101,9 @@ class FixManager:
         self.in_flight: dict[tuple[str, str, str], AppliedFix] = {}  # diagnosis key -> fix awaiting its verdict
         self.proposed: set[tuple[str, str, str]] = set()  # suggestions already recorded (until resolved)
         # Judged fixes, until their diagnosis resolves: a kept fix is not applied again and a rolled-back
-        # one is not retried in a loop.
-        self.settled: set[tuple[str, str, str]] = set()
+        # one is not retried in a loop. A different fix for the same diagnosis (the rule sized it anew
+        # from more data, or escalates) may still be tried.
+        self.settled: dict[tuple[str, str, str], Fix] = {}
         self.counts: dict[tuple[str, str, str], int] = {}  # (engine, rule, action) -> how many
         self._lock = threading.RLock()
 
@@ -114,11 +120,11 @@ class FixManager:
         with self._lock:
             active = {d.key: d for d in diagnoses}
             self.proposed &= set(active)  # a resolved diagnosis may be proposed again if it comes back
-            self.settled &= set(active)
+            self.settled = {key: fix for key, fix in self.settled.items() if key in active}
             for diagnosis in diagnoses:
                 rule_policy = policy(diagnosis.rule)
                 if (diagnosis.fix is None or rule_policy == "off" or diagnosis.key in self.in_flight
-                        or diagnosis.key in self.settled):
+                        or _same_change(self.settled.get(diagnosis.key), diagnosis.fix)):
                     continue
                 if rule_policy == "auto" and diagnosis.fix.kind is not FixKind.REPORT:
                     if any(f.diagnosis.engine == diagnosis.engine for f in self.in_flight.values()):
@@ -145,12 +151,12 @@ class FixManager:
             before, after, undo = self._change(fix, client, managed)
         except (EngineUnreachable, FixError, KeyError, ValueError) as exc:
             self._count(self.audit.record(action="failed", message=str(exc), **common))
-            self.settled.add(diagnosis.key)  # not retried every poll; again once the diagnosis resolves
+            self.settled[diagnosis.key] = fix  # not retried every poll; again once the diagnosis resolves
             raise FixError(str(exc)) from None
         entry = self._count(self.audit.record(action="applied", before=before, after=after, **common))
         self.proposed.discard(diagnosis.key)
         if diagnosis.verification is None:
-            self.settled.add(diagnosis.key)
+            self.settled[diagnosis.key] = fix
         else:
             # After a restart the rules start from an empty window: give them a second one before judging.
             wait = self.verify_after_s * (2 if fix.kind is FixKind.RESTART else 1)
@@ -212,7 +218,7 @@ class FixManager:
             if now < applied.verify_at:
                 continue
             del self.in_flight[key]
-            self.settled.add(key)
+            self.settled[key] = applied.diagnosis.fix  # type: ignore[assignment]
             verdict, message, evidence_after = self._judge(applied, active.get(key))
             common = {"engine": applied.diagnosis.engine, "rule": applied.diagnosis.rule,
                       "subject": applied.diagnosis.subject, "fix": applied.diagnosis.fix,

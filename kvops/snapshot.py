@@ -87,6 +87,9 @@ class RequestStats(BaseModel):
     preemptions_total: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    # Median over live requests (running, swapped, waiting) of prompt + max_tokens, capped at
+    # max_model_len: how long they may grow, which sizing concurrency needs before any has finished.
+    live_requested_len_p50: int | None = None
 
 
 class Histogram(BaseModel):

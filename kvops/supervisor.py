@@ -44,6 +44,7 @@ class EngineState:
     next_kv_profile_at: float = 0.0
     next_block_size_profile_at: float = 0.0
     probing: bool = False
+    process_seen: object = None  # the managed process last polled: a different one means a (re)start
 
     @property
     def name(self) -> str:
@@ -144,10 +145,14 @@ class Supervisor:
     def _poll_engine(self, state: EngineState, now: float) -> None:
         managed = state.managed
         if managed is not None:
-            was = managed.process
             running = managed.check()
-            if managed.process is not was:
-                state.ready = False  # a new process: wait for it to answer before judging it
+            if managed.process is not state.process_seen:
+                state.process_seen = managed.process
+                # A new process (maybe with new settings): wait for it to answer before judging it, and
+                # measure it afresh.
+                state.ready = False
+                state.history.kv_profile = state.history.block_size_profile = None
+                state.next_kv_profile_at = state.next_block_size_profile_at = 0.0
             if not running:
                 why = "crash loop: not restarting" if state.history.crash_loop else "engine process exited"
                 state.history.record_health(HealthSample(now, False, why))

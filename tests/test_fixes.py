@@ -127,3 +127,19 @@ def test_audit_log_survives_a_restart(tmp_path: Path, client: EngineClient):
     reloaded = AuditLog(tmp_path / "audit.jsonl")
     assert [e.action for e in reloaded.entries] == ["proposed"]
     assert reloaded.record(engine="default", rule="x", action="proposed").id == 2
+
+
+def test_after_a_rollback_only_a_different_fix_is_tried(tmp_path: Path, client: EngineClient):
+    fixes, now = _manager(tmp_path)
+    auto = (lambda rule: "auto", lambda engine: (client, None))
+    fixes.consider([_diagnosis(0.2, NORMALIZE)], *auto)
+    now[0] += 61
+    fixes.consider([_diagnosis(0.2, NORMALIZE)], *auto)  # no better: rolled back
+    assert [e.action for e in fixes.audit.entries] == ["applied", "rolled_back"]
+    for _ in range(3):  # the same change is not retried while the diagnosis lasts
+        fixes.consider([_diagnosis(0.2, NORMALIZE)], *auto)
+    assert len(fixes.audit.entries) == 2
+    shadow = Fix(kind=FixKind.ADMIN, action="set_normalization", params={"mode": "shadow"}, description="measure")
+    fixes.consider([_diagnosis(0.2, shadow)], *auto)  # the rule now proposes something else: tried
+    assert [e.action for e in fixes.audit.entries] == ["applied", "rolled_back", "applied"]
+    assert client.knobs()["normalize_prompts"] == "shadow"

@@ -118,15 +118,24 @@ def live_blocks(snap: Snapshot) -> int:
 
 
 def blocks_per_seq(snaps: list[Snapshot]) -> float | None:
-    """How many blocks a sequence needs, for sizing concurrency or the pool: the larger of the most
-    seen per running sequence in the window and what a p95 prompt plus the mean generation takes
-    (sequences still growing hold less than they will), at most one max_model_len request."""
+    """How many blocks a sequence needs, for sizing concurrency or the pool: the largest of the most
+    seen per running sequence in the window, the median longest context of the window's steps, the
+    median length live requests asked for (prompt + max_tokens), and what a p95 prompt plus the
+    mean generation takes (sequences still growing hold less than they will), at most one
+    max_model_len request."""
     if not snaps:
         return None
     latest = snaps[-1]
     engine = latest.engine
     observed = [live_blocks(s) / s.requests.running for s in snaps if s.requests.running > 0]
     candidates = [max(observed)] if observed else []
+    # How long sequences get: the longest context of each recent step, typically. Early in a run few
+    # requests have finished, so the mean generation below underestimates; this does not.
+    contexts = sorted(step.max_context_len for step in recent_steps(snaps, snaps[0].time))
+    if contexts:
+        candidates.append(blocks_for(contexts[len(contexts) // 2], engine.block_size))
+    if latest.requests.live_requested_len_p50:
+        candidates.append(blocks_for(latest.requests.live_requested_len_p50, engine.block_size))
     p95 = latest.prompt_lengths.p95
     finished = latest.requests.finished_total
     if p95 is not None and finished > 0:

@@ -1,0 +1,51 @@
+"""Scenario 10: a clean mixed workload for two minutes gives no diagnosis at all. A diagnosis
+here is a false positive, and a false positive is a bug."""
+
+from __future__ import annotations
+
+import time
+
+from kvops.loadgen import Lengths, LoadSpec, Stream, start_load
+from kvops.scenarios.runner import ScenarioContext, ScenarioResult
+
+NAME = "clean"
+TITLE = "A clean mixed workload for two minutes: no diagnosis at all"
+DURATION_S = 120.0
+
+
+def workload(duration_s: float, seed: int = 0) -> LoadSpec:
+    """Two chat tenants sharing a system prompt, a RAG tenant with a few documents, short outputs."""
+    return LoadSpec(seed=seed, duration_s=duration_s, streams=[
+        Stream(tenant="chat-a", rate=0.6, arrival="poisson", shared_prefix_tokens=160, prefix_key="system",
+               prompt=Lengths(dist="lognormal", median=40, sigma=0.5, min=8, max=200),
+               output=Lengths(dist="uniform", low=8, high=32)),
+        Stream(tenant="chat-b", rate=0.6, arrival="poisson", shared_prefix_tokens=160, prefix_key="system",
+               prompt=Lengths(dist="lognormal", median=40, sigma=0.5, min=8, max=200),
+               output=Lengths(dist="uniform", low=8, high=32)),
+        Stream(tenant="rag", rate=0.3, arrival="poisson", shared_prefix_tokens=400, prefix_groups=3,
+               prompt=Lengths(dist="fixed", value=30), output=Lengths(dist="fixed", value=16)),
+    ])
+
+
+def run(duration_s: float = DURATION_S) -> ScenarioResult:
+    result = ScenarioResult(name=NAME, title=TITLE, metric="diagnoses seen",
+                            command="kvops scenario run clean")
+    # Sized so that max_num_seqs requests of max_model_len fit: nothing here is overcommitted.
+    args = {"kv_cache_memory": "256MiB", "max_model_len": 1024, "max_num_seqs": 5, "normalize_prompts": "shadow"}
+    seen: dict[str, str] = {}
+    with ScenarioContext(args) as ctx:
+        load = start_load(ctx.url, workload(duration_s))
+        deadline = time.monotonic() + duration_s
+        while time.monotonic() < deadline:
+            for diagnosis in ctx.sup.diagnoses:
+                seen.setdefault(f"{diagnosis.rule}/{diagnosis.subject}", diagnosis.summary)
+            time.sleep(0.5)
+        report = load.join()
+        total = report.total
+        result.evidence = {"requests": total.requests_finished, "failed": total.requests_failed, "diagnoses": seen}
+        result.before, result.after = 0.0, float(len(seen))
+        result.check("the workload ran", report.total.requests_finished > 0.8 * duration_s * 1.5 * 0.5,
+                     f"{report.total.requests_finished} requests finished")
+        result.check("no diagnosis", not seen, "; ".join(f"{k}: {v}" for k, v in seen.items()))
+    result.passed = all(c.passed for c in result.checks)
+    return result
