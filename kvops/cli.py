@@ -52,6 +52,13 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(app, args.host, args.port, args.drain_timeout)
 
 
+def _top(args: argparse.Namespace) -> int:
+    from kvops.top import run_top
+
+    return run_top(args.attach, once=args.once, as_json=args.json, admin_token=args.admin_token,
+                   interval_s=args.interval)
+
+
 def _run(args: argparse.Namespace) -> int:
     from kvops.run import run
 
@@ -112,6 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_run_args(run)
     run.set_defaults(handler=_run)
+
+    top = commands.add_parser("top", help="live terminal view of a supervisor (see docs/top.md)")
+    top.add_argument("--attach", default="http://127.0.0.1:9400", metavar="URL",
+                     help="the `kvops run` supervisor to show (default: %(default)s)")
+    top.add_argument("--once", action="store_true", help="print one text snapshot and exit")
+    top.add_argument("--json", action="store_true", help="print the latest snapshot of each engine as JSON and exit")
+    top.add_argument("--admin-token", default=None, help="to apply or revert fixes (default: $KVOPS_ADMIN_TOKEN)")
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default: 1)")
+    top.set_defaults(handler=_top)
 
     commands.add_parser("scenario", help="reproduce each diagnosis on the real engine (`kvops scenario list`)",
                         add_help=False)

@@ -1,0 +1,140 @@
+"""Plain-text pieces of `kvops top`, shared by the Textual app and `--once` / `--json`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Sequence
+
+from kvops.snapshot import Histogram, Snapshot
+from kvops.top.client import EngineView, Poller, Source, SupervisorRefused
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def fmt_duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s"
+
+
+def fmt_pct(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:.0f}%"
+
+
+def capacity(s: Snapshot) -> str:
+    tokens = s.engine.num_blocks * s.engine.block_size
+    return f"{s.engine.num_blocks} blk / {tokens:,} tok / {fmt_bytes(s.engine.kv_cache_bytes)}"
+
+
+def health(view: EngineView) -> str:
+    if view.entry.crash_loop:
+        return "CRASH LOOP"
+    if not view.entry.up:
+        return "DOWN"
+    return "up" if view.latest is not None else "starting"
+
+
+def series(history: Sequence[Snapshot]) -> dict[str, list[float]]:
+    """The sparkline series over a history, oldest first: KV usage, hit rate, swap rate (fractions)
+    and throughput (generated tokens/s between consecutive snapshots; one fewer point)."""
+    throughput = []
+    for prev, cur in itertools.pairwise(history):
+        dt = cur.time - prev.time
+        tokens = cur.requests.generation_tokens_total - prev.requests.generation_tokens_total
+        throughput.append(max(0.0, tokens / dt) if dt > 0 else 0.0)
+    return {
+        "kv_usage": [s.blocks.usage for s in history],
+        "hit_rate": [s.prefix_cache.window_hit_rate for s in history],
+        "swap_rate": [s.swap.window.swap_rate for s in history],
+        "throughput": throughput,
+    }
+
+
+def histogram_lines(h: Histogram, width: int = 30) -> list[str]:
+    """One bar per bucket (counts are per bucket), then the percentiles."""
+    labels = [f"≤{b:g}" for b in h.buckets] + [f">{h.buckets[-1]:g}" if h.buckets else "all"]
+    top = max(h.counts, default=0) or 1
+    pad = max((len(label) for label in labels), default=0)
+    lines = [f"{label:>{pad}} {'█' * round(count / top * width):<{width}} {count}"
+             for label, count in zip(labels, h.counts, strict=False)]
+    lines.append(f"p50 {_or_dash(h.p50)}  p95 {_or_dash(h.p95)}  p99 {_or_dash(h.p99)}  (n={h.count})")
+    return lines
+
+
+def engine_summary(view: EngineView) -> list[str]:
+    e = view.entry
+    head = f"{e.name}  [{health(view)}]  {e.url}  pid {e.pid or '-'}  restarts {e.restarts}"
+    s = view.latest
+    if s is None:
+        return [head, f"  no snapshot: {view.error or e.last_error or 'starting'}"]
+    counts = " ".join(f"{k}={v}" for k, v in s.blocks.counts.items())
+    lines = [
+        head,
+        f"  model {s.engine.model}  block {s.engine.block_size}  kv {s.engine.kv_cache_dtype}  "
+        f"capacity {capacity(s)}  uptime {fmt_duration(s.uptime_s)}",
+        f"  kv usage {fmt_pct(s.blocks.usage)}  hit rate {fmt_pct(s.prefix_cache.window_hit_rate)}  "
+        f"swap rate {fmt_pct(s.swap.window.swap_rate)}  running {s.requests.running}  "
+        f"waiting {s.requests.waiting}",
+        f"  blocks {counts}",
+        f"  prompt len p50 {_or_dash(s.prompt_lengths.p50)}  p95 {_or_dash(s.prompt_lengths.p95)}  "
+        f"p99 {_or_dash(s.prompt_lengths.p99)}",
+    ]
+    for name, t in sorted(s.tenants.items()):
+        quota = t.quota_blocks if t.quota_blocks is not None else "-"
+        lines.append(f"  tenant {name}: held {t.blocks_held} quota {quota} hit {fmt_pct(t.hit_rate)} "
+                     f"evictions caused {t.evictions_caused} suffered {t.evictions_suffered}")
+    return lines
+
+
+def render_once(client: Source, history_s: float = 60.0) -> str:
+    """A plain-text picture of every engine, its diagnoses and the recent audit log (`kvops top --once`).
+    Raises SupervisorUnreachable when the supervisor does not answer."""
+    state = Poller(client, history_s=history_s).poll()
+    out = [f"kvops top  {client.url}  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(state.time))}"]
+    if not state.engines:
+        out.append("no engines")
+    for view in state.engines:
+        out.append("")
+        out.extend(engine_summary(view))
+    out.append("")
+    out.append(f"diagnoses ({len(state.diagnoses)})")
+    for d in state.diagnoses:
+        subject = f" [{d.subject}]" if d.subject else ""
+        out.append(f"  {d.severity.value:<8} {d.engine} {d.rule}{subject}: {d.summary}")
+        if d.fix is not None:
+            out.append(f"           fix ({d.fix.kind.value}): {d.fix.description}")
+    out.append(f"audit (last 10 of {len(state.audit)})")
+    for a in state.audit[-10:]:
+        out.append(f"  #{a.id} {time.strftime('%H:%M:%S', time.localtime(a.time))} {a.action:<11} {a.engine} "
+                   f"{a.rule} {a.message}")
+    return "\n".join(out) + "\n"
+
+
+def render_json(client: Source) -> str:
+    """`kvops top --json`: {engine name: its latest snapshot (the Snapshot schema), or null}.
+    The client validates every snapshot against the schema before it gets here."""
+    out: dict[str, object] = {}
+    for entry in client.engines():
+        try:
+            out[entry.name] = json.loads(client.snapshot(entry.name).model_dump_json())
+        except SupervisorRefused:  # no snapshot yet (starting, or down since the supervisor started)
+            out[entry.name] = None
+    return json.dumps(out, indent=2) + "\n"
+
+
+def _or_dash(value: float | None) -> str:
+    return "—" if value is None else f"{value:g}"
