@@ -13,10 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -25,29 +22,18 @@ from pathlib import Path
 import httpx
 
 from kvops.bench import CHAT_QUESTIONS
+from kvops.config import EngineSpec
+from kvops.history import EngineHistory
+from kvops.logs import configure_logging
+from kvops.managed_engine import ManagedEngine
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def start_engine(extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvops", "engine", "serve", "--port", str(port), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise SystemExit("the engine did not become healthy within 180 s")
+def start_engine(args: dict[str, object]) -> ManagedEngine:
+    """The engine as kvops run starts it: `kvops engine serve` on a free port, healthy before timing."""
+    engine = ManagedEngine(EngineSpec(name="bench", args=args), EngineHistory("bench"))
+    engine.start()
+    engine.wait_healthy()
+    return engine
 
 
 async def one_round(url: str, requests: int, max_tokens: int) -> float:
@@ -82,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
-    proc, url = start_engine(["--kv-cache-memory", "256MiB", "--max-model-len", "2048"])
+    configure_logging("warning")  # the engine's forwarded log lines would bury the numbers
+    engine = start_engine({"kv_cache_memory": "256MiB", "max_model_len": 2048})
+    url = engine.url
     try:
         asyncio.run(one_round(url, 2, 4))  # warm-up
         plain: list[float] = []
@@ -99,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             poller.join()
             polls.append(round(counter[0] / (time.perf_counter() - started), 2))
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+        engine.stop()
     ratio = statistics.median(polled) / statistics.median(plain)
     report = {"command": "python benchmarks/polling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "rate_hz": args.rate, "achieved_poll_hz": polls, "unpolled_tok_s": [round(x, 1) for x in plain],

@@ -40,7 +40,8 @@ class EngineHistory:
     full_rate_s: float = 300.0  # keep every snapshot this recent
     bucket_s: float = 10.0  # older ones: one per bucket
     max_age_s: float = 3600.0
-    snapshots: deque[Snapshot] = field(default_factory=deque)
+    _older: deque[Snapshot] = field(default_factory=deque, repr=False)  # downsampled: one per bucket
+    _recent: deque[Snapshot] = field(default_factory=deque, repr=False)  # every snapshot of full_rate_s
     health: deque[HealthSample] = field(default_factory=lambda: deque(maxlen=1000))
     exits: deque[EngineExit] = field(default_factory=lambda: deque(maxlen=100))
     restarts_total: int = 0
@@ -51,7 +52,7 @@ class EngineHistory:
     # ----------------------------------------------------------- recording
 
     def add(self, snap: Snapshot) -> None:
-        self.snapshots.append(snap)
+        self._recent.append(snap)
         self._compact(snap.time)
 
     def record_health(self, sample: HealthSample) -> None:
@@ -61,31 +62,28 @@ class EngineHistory:
         self.exits.append(event)
 
     def _compact(self, now: float) -> None:
-        while self.snapshots and self.snapshots[0].time < now - self.max_age_s:
-            self.snapshots.popleft()
-        # Downsample the part older than full_rate_s: keep the first snapshot of each bucket.
-        cutoff = now - self.full_rate_s
-        kept: deque[Snapshot] = deque()
-        last_bucket: int | None = None
-        changed = False
-        for snap in self.snapshots:
-            if snap.time >= cutoff:
-                kept.append(snap)
-                continue
-            bucket = int(snap.time // self.bucket_s)
-            if bucket == last_bucket:
-                changed = True
-                continue
-            last_bucket = bucket
-            kept.append(snap)
-        if changed:
-            self.snapshots = kept
+        """Move what left the full-rate span into the downsampled part (the first snapshot of each
+        bucket stays) and drop what is older than max_age_s: per poll, only the snapshots that moved."""
+        while self._recent and self._recent[0].time < now - self.full_rate_s:
+            snap = self._recent.popleft()
+            if not self._older or int(snap.time // self.bucket_s) != int(self._older[-1].time // self.bucket_s):
+                self._older.append(snap)
+        for part in (self._older, self._recent):
+            while part and part[0].time < now - self.max_age_s:
+                part.popleft()
 
     # ------------------------------------------------------------- reading
 
     @property
+    def snapshots(self) -> list[Snapshot]:
+        """Every snapshot kept, oldest first."""
+        return [*self._older, *self._recent]
+
+    @property
     def latest(self) -> Snapshot | None:
-        return self.snapshots[-1] if self.snapshots else None
+        if self._recent:
+            return self._recent[-1]
+        return self._older[-1] if self._older else None
 
     @property
     def is_up(self) -> bool | None:
@@ -94,9 +92,10 @@ class EngineHistory:
 
     def window(self, seconds: float, now: float | None = None) -> list[Snapshot]:
         """Snapshots of the last `seconds` (ending at `now`, default the latest snapshot's time)."""
-        if not self.snapshots:
+        latest = self.latest
+        if latest is None:
             return []
-        end = self.snapshots[-1].time if now is None else now
+        end = latest.time if now is None else now
         return [s for s in self.snapshots if end - seconds <= s.time <= end]
 
     def series(self, getter: Getter, seconds: float) -> list[tuple[float, float]]:

@@ -9,6 +9,7 @@ their own schedule, so polling never waits for them.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -212,6 +213,4 @@ class Supervisor:
 
 
 def _env(name: str | None) -> str | None:
-    import os
-
     return os.environ.get(name) if name else None

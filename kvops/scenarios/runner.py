@@ -140,7 +140,7 @@ class ScenarioContext:
                     return snap.time
             return None
         signal_time = self.wait_until(what, seen, timeout_s)
-        return self._since_start(signal_time)
+        return self.since_start(signal_time)
 
     def wait_diagnosis(self, rule: str, timeout_s: float,
                        where: Callable[[Diagnosis], bool] = lambda d: True) -> tuple[Diagnosis, float]:
@@ -151,9 +151,9 @@ class ScenarioContext:
     def wait_audit(self, rule: str, actions: tuple[str, ...], timeout_s: float) -> tuple[AuditEntry, float]:
         entries = self.wait_until(f"{rule} fix {'/'.join(actions)}",
                                   lambda: [e for e in self.audit(rule) if e.action in actions], timeout_s)
-        return entries[0], self._since_start(entries[0].time)
+        return entries[0], self.since_start(entries[0].time)
 
-    def _since_start(self, unix_time: float) -> float:
+    def since_start(self, unix_time: float) -> float:
         """A unix timestamp as seconds since this scenario started."""
         return unix_time - (time.time() - self.elapsed())
 

@@ -21,7 +21,7 @@ def run() -> ScenarioResult:
         # The signal is the exit that makes it a loop (the third within the window).
         exits = ctx.wait_until("the third engine exit",
                                lambda: list(ctx.history.exits) if len(ctx.history.exits) >= 3 else None, 120)
-        result.signal_at_s = round(ctx._since_start(exits[2].t), 2)
+        result.signal_at_s = round(ctx.since_start(exits[2].t), 2)
         diagnosis, result.diagnosed_at_s = ctx.wait_diagnosis("crash_loop", 120)
         result.detection_s = round(result.diagnosed_at_s - result.signal_at_s, 2)
         result.evidence = dict(diagnosis.evidence)
