@@ -6,6 +6,8 @@ cache, so a prompt gives the same result whether it is prefilled in one chunk or
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -81,33 +83,94 @@ def gather_kv(layer: KVCacheLayer, slots: torch.Tensor) -> torch.Tensor:
     return dequantize_kv(layer, [_gather(t, slots) for t in layer.per_slot()])
 
 
-def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    return block_table[positions // block_size] * block_size + positions % block_size
+# A batched attention call costs about as much fixed overhead as attending over this many extra
+# (padding) tokens per KV head and channel; merging sequences of unequal length into one padded call
+# pays off while the padding it adds stays below that (measured with benchmarks/kernels_cpu.py).
+_PAD_BUDGET = 2**15
+# ... and a group's gathered K/V (float32) stays about this size: a batch-wide gather of a large batch
+# is a fresh allocation bigger than the caches, and filling it costs more than the calls it saves.
+_GATHER_BYTES = 2 * 2**20
 
 
-def _decode_gather(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    cached = meta._cache.get("decode")
-    if cached is None:
-        lens = meta.decode_context_lens
-        max_len = int(lens.max())
-        positions = torch.arange(max_len)
-        tables = meta.decode_block_tables
-        block_index = (positions // meta.block_size).clamp(max=tables.shape[1] - 1)
-        slots = tables[:, block_index] * meta.block_size + positions % meta.block_size
-        valid = positions[None, :] < lens[:, None]
-        slots = torch.where(valid, slots, 0)
-        cached = (slots, valid[:, None, None, :])
-        meta._cache["decode"] = cached
-    return cached  # type: ignore[return-value]
+@dataclass
+class _Bucket:
+    """Decode sequences attended together: `rows` of the batch, their blocks, padded to `length` tokens."""
+
+    rows: torch.Tensor | slice
+    blocks: torch.Tensor  # [len(rows), blocks_needed]
+    length: int
+    mask: torch.Tensor | None  # [len(rows), 1, 1, length]; None when every row has `length` tokens
+
+
+def _gather_blocks(layer: KVCacheLayer, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """K/V of whole blocks [*, nb] -> [2, *, length, kv_heads, head_dim]: block-sized contiguous copies
+    rather than one index per token, dequantized after the gather so only read tokens pay for it."""
+    parts = []
+    for t in layer.per_slot():
+        g = _bits(t)[:, blocks]  # [2, *, nb, block_size, ...]
+        parts.append(g.view(t.dtype).flatten(blocks.dim(), blocks.dim() + 1).narrow(blocks.dim(), 0, length))
+    return dequantize_kv(layer, parts)
+
+
+def _decode_buckets(meta: AttentionMetadata, row_cost: int) -> list[_Bucket]:
+    """Group decode sequences by length so a long one does not make every short one attend over padding
+    (sorted longest first; a sequence joins the current group while the padding stays cheap)."""
+    cached = meta._cache.get("decode_buckets")
+    if cached is not None:
+        return cached  # type: ignore[return-value]
+    lens = meta.decode_context_lens.tolist()
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if (groups and (lens[groups[-1][0]] - lens[i]) * row_cost <= _PAD_BUDGET
+                and (len(groups[-1]) + 1) * lens[groups[-1][0]] * row_cost * 4 <= _GATHER_BYTES):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    bs = meta.block_size
+    buckets = []
+    for group in groups:
+        length = lens[group[0]]
+        group.sort()  # batch order within a bucket: one bucket's output is the whole answer
+        rows: torch.Tensor | slice
+        if len(group) == 1 or group[-1] - group[0] == len(group) - 1:
+            rows = slice(group[0], group[-1] + 1)  # contiguous rows: a view, no index copy
+        else:
+            rows = torch.tensor(group)
+        blocks = meta.decode_block_tables[rows, : -(-length // bs)]
+        group_lens = torch.tensor([lens[i] for i in group])
+        mask = None
+        if bool((group_lens != length).any()):
+            mask = (torch.arange(length)[None, :] < group_lens[:, None])[:, None, None, :]
+        buckets.append(_Bucket(rows, blocks, length, mask))
+    meta._cache["decode_buckets"] = buckets
+    return buckets
 
 
 def paged_decode_attention(q: torch.Tensor, layer: KVCacheLayer, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [num_decodes, heads, head_dim] attends over each sequence's whole context in the paged cache."""
-    slots, mask = _decode_gather(meta)
-    kv = gather_kv(layer, slots).to(q.dtype)  # one gather for K and V: [2, n, ctx, kv_heads, d]
-    k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [n, kv_heads, ctx, d]
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.squeeze(2)
+    kv_heads = layer.data.shape[3]
+    buckets = _decode_buckets(meta, kv_heads * layer.head_dim)
+    out = q.new_empty(q.shape) if len(buckets) > 1 else None
+    for b in buckets:
+        kv = _gather_blocks(layer, b.blocks, b.length).to(q.dtype).transpose(2, 3)  # [2, n, kv_heads, len, d]
+        o = F.scaled_dot_product_attention(q[b.rows].unsqueeze(2), kv[0], kv[1], attn_mask=b.mask, scale=scale,
+                                           enable_gqa=True).squeeze(2)
+        if out is None:
+            return o
+        out[b.rows] = o
+    assert out is not None
+    return out
+
+
+def _prefill_mask(meta: AttentionMetadata, n: int, context_len: int) -> torch.Tensor:
+    """New token i (at position context_len - n + i) sees positions <= its own; shared by all layers."""
+    key = f"prefill_mask:{n}:{context_len}"
+    mask = meta._cache.get(key)
+    if mask is None:
+        mask = torch.ones(n, context_len, dtype=torch.bool).tril(context_len - n)
+        meta._cache[key] = mask
+    return mask  # type: ignore[return-value]
 
 
 def paged_prefill_attention(
@@ -116,18 +179,17 @@ def paged_prefill_attention(
     """q [prefill_tokens, heads, head_dim] of each span attends causally over its cached prefix and itself."""
     outputs = []
     offset = meta.num_decode_tokens
+    bs = meta.block_size
     for span in meta.prefills:
         n = span.end - span.start
         qs = q[span.start - offset : span.end - offset].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
-        slots = _slots(span.block_table, torch.arange(span.context_len), meta.block_size)
-        kv = gather_kv(layer, slots).to(q.dtype).transpose(1, 2).unsqueeze(1)  # [2, 1, kv_heads, ctx, d]
-        k, v = kv[0], kv[1]
-        prefix = span.context_len - n
-        if prefix == 0:
+        blocks = span.block_table[: -(-span.context_len // bs)]
+        kv = _gather_blocks(layer, blocks, span.context_len).to(q.dtype).transpose(1, 2).unsqueeze(1)
+        k, v = kv[0], kv[1]  # [1, kv_heads, ctx, d]
+        if span.context_len == n:
             out = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            rows = torch.arange(n)[:, None] + prefix
-            mask = torch.arange(span.context_len)[None, :] <= rows
+            mask = _prefill_mask(meta, n, span.context_len)
             out = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         outputs.append(out.squeeze(0).transpose(0, 1))
     return torch.cat(outputs) if outputs else q[:0]
