@@ -39,6 +39,7 @@ from kvops.snapshot import (
     SwapStats,
     TenantStats,
     encode_block_map,
+    encode_owner_map,
 )
 
 log = structlog.get_logger("kvops.engine")
@@ -323,6 +324,10 @@ class LLMEngine:
         now = time.monotonic()
         if seq.first_token_time is None:
             seq.first_token_time = now
+            self.stats.on_first_token(now - seq.arrival_time)
+        elif seq.last_token_time is not None:
+            self.stats.on_next_token(now - seq.last_token_time)
+        seq.last_token_time = now
         seq.token_ids.append(token)
         params = seq.params
         num_output = len(seq.token_ids) - seq.prompt_len
@@ -393,6 +398,7 @@ class LLMEngine:
         allocated, used = self.kv_slots()
         in_use = counts["filling"] + counts["full"]
         held = bm.blocks_held()
+        owner_map, owners = encode_owner_map(bm.owner_map())
         tenants: dict[str, TenantStats] = {}
         for name in set(self.stats.tenants) | set(bm.tenants) | set(held) | set(bm.quotas):
             counters = self.stats.tenants.get(name)
@@ -427,7 +433,7 @@ class LLMEngine:
                 enable_prefix_caching=bm.enable_prefix_caching, eviction_policy=bm.eviction_policy,
             ),
             blocks=BlockStats(counts=counts, usage=in_use / bm.num_blocks, state_map=encode_block_map(bm.state_map()),
-                              allocated_slots=allocated, used_slots=used),
+                              owner_map=owner_map, owners=owners, allocated_slots=allocated, used_slots=used),
             prefix_cache=self.stats.prefix_cache(bm.evictions_total, self.normalization.value, self.shadow,
                                                  self.potential),
             requests=RequestStats(
@@ -437,6 +443,8 @@ class LLMEngine:
                 prompt_tokens_total=self.stats.prompt_tokens_total,
                 generation_tokens_total=self.stats.generation_tokens_total,
                 live_requested_len_p50=self._live_requested_len_p50(),
+                ttft_seconds_sum=self.stats.ttft_seconds_sum, ttft_count=self.stats.ttft_count,
+                itl_seconds_sum=self.stats.itl_seconds_sum, itl_count=self.stats.itl_count,
             ),
             prompt_lengths=self.stats.prompt_lengths(),
             steps=list(self.stats.steps),

@@ -102,6 +102,8 @@ def snapshot_families(snap: Snapshot) -> Iterator[Metric]:
                  engine.max_num_batched_tokens)
     yield _gauge("kvops_prefix_caching_enabled", "1 when prefix caching is on, else 0.",
                  1 if engine.enable_prefix_caching else 0)
+    # A value, not only the info label: PromQL cannot compute with a label (blocks per request in alerts/).
+    yield _gauge("kvops_engine_block_size", "Tokens per KV block.", engine.block_size)
 
     # KV cache pool
     yield _gauge("kvops_kv_pool_blocks", "Blocks in the KV pool.", engine.num_blocks)
@@ -125,6 +127,16 @@ def snapshot_families(snap: Snapshot) -> Iterator[Metric]:
                    snap.prefix_cache.hits_total)
     yield _counter("kvops_prefix_cache_evictions", "Cached blocks evicted to make room.",
                    snap.prefix_cache.evictions_total)
+    # The shadow lookups behind the prompt_variance and prefix_caching_off rules, so Prometheus rules can
+    # compare the same hit rates the supervisor does.
+    yield _counter("kvops_prefix_cache_shadow_queries", "Normalization shadow mode: prompt tokens looked up in "
+                   "the normalized shadow cache.", snap.prefix_cache.shadow_queries_total)
+    yield _counter("kvops_prefix_cache_shadow_hits", "Normalization shadow mode: prompt tokens that would have hit "
+                   "with normalization on.", snap.prefix_cache.shadow_hits_total)
+    yield _counter("kvops_prefix_cache_potential_queries", "Prefix caching off: prompt tokens looked up in the "
+                   "shadow cache.", snap.prefix_cache.potential_queries_total)
+    yield _counter("kvops_prefix_cache_potential_hits", "Prefix caching off: prompt tokens caching would have "
+                   "served.", snap.prefix_cache.potential_hits_total)
 
     # requests
     yield _gauge("kvops_num_requests_running", "Sequences running.", snap.requests.running)

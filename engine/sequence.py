@@ -41,6 +41,7 @@ class Sequence:
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     output_text: str = ""
     admitted: bool = False  # prefix-cache stats are counted on first admission only
 

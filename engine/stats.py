@@ -50,6 +50,10 @@ class EngineStats:
         self._recent_prompt_lengths: deque[int] = deque(maxlen=max_prompt_samples)
         self.steps: deque[StepSample] = deque(maxlen=max_steps)
         self.tenants: dict[str, TenantCounters] = {}
+        self.ttft_seconds_sum = 0.0
+        self.ttft_count = 0
+        self.itl_seconds_sum = 0.0
+        self.itl_count = 0
 
     def on_admit(self, tenant: str, prompt_len: int, hit_tokens: int) -> None:
         """A request's first admission: count its prefix-cache lookup and its prompt length."""
@@ -66,6 +70,14 @@ class EngineStats:
         self.prompt_length_sum += prompt_len
         self.prompt_length_count += 1
         self._recent_prompt_lengths.append(prompt_len)
+
+    def on_first_token(self, seconds: float) -> None:
+        self.ttft_seconds_sum += seconds
+        self.ttft_count += 1
+
+    def on_next_token(self, seconds: float) -> None:
+        self.itl_seconds_sum += seconds
+        self.itl_count += 1
 
     def on_step(self, sample: StepSample, generated_tokens: int) -> None:
         self.steps.append(sample)

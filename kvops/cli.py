@@ -56,7 +56,13 @@ def _top(args: argparse.Namespace) -> int:
     from kvops.top import run_top
 
     return run_top(args.attach, once=args.once, as_json=args.json, admin_token=args.admin_token,
-                   interval_s=args.interval)
+                   interval_s=args.interval, demo=args.demo)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from kvops.doctor.run import run_doctor
+
+    return run_doctor(args)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -121,13 +127,24 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(handler=_run)
 
     top = commands.add_parser("top", help="live terminal view of a supervisor (see docs/top.md)")
-    top.add_argument("--attach", default="http://127.0.0.1:9400", metavar="URL",
-                     help="the `kvops run` supervisor to show (default: %(default)s)")
+    top.add_argument("--attach", default=None, metavar="URL",
+                     help="the `kvops run` supervisor to show (default: the one on 127.0.0.1:9400, or else "
+                          "a supervisor and engine started for this session)")
+    top.add_argument("--demo", action="store_true",
+                     help="start a small engine and a mixed workload (tenants, shared prefixes, noisy prompts, "
+                          "a flooding tenant): diagnoses appear within a minute")
     top.add_argument("--once", action="store_true", help="print one text snapshot and exit")
     top.add_argument("--json", action="store_true", help="print the latest snapshot of each engine as JSON and exit")
     top.add_argument("--admin-token", default=None, help="to apply or revert fixes (default: $KVOPS_ADMIN_TOKEN)")
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default: 1)")
     top.set_defaults(handler=_top)
+
+    doctor = commands.add_parser("doctor", help="diagnose a broken or slow deployment: kvops, vLLM or SGLang "
+                                 "(see docs/doctor.md)")
+    from kvops.doctor.run import add_doctor_args
+
+    add_doctor_args(doctor)
+    doctor.set_defaults(handler=_doctor)
 
     commands.add_parser("scenario", help="reproduce each diagnosis on the real engine (`kvops scenario list`)",
                         add_help=False)

@@ -57,6 +57,9 @@ class EngineSpec(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     url: str | None = None  # watched engine; a managed one gets http://host:port
     managed: bool = True
+    # What a watched engine is: a kvops engine (read from /stats), vLLM or SGLang (read from /metrics through
+    # kvops.adapters), or auto: recognised from /metrics and /v1/models at the first poll.
+    kind: Literal["auto", "kvops", "vllm", "sglang"] = "auto"
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)  # 0: a free port at start
     args: dict[str, Any] = Field(default_factory=dict)  # EngineConfig settings, as `kvops engine serve` flags
@@ -92,6 +95,8 @@ class EngineSpec(_Strict):
             raise ValueError("a managed engine gets its URL from host and port: drop url, or set managed = false")
         if not self.managed and self.url is None:
             raise ValueError("a watched engine (managed = false) needs url, e.g. url = \"http://10.0.0.5:8000\"")
+        if self.managed and self.kind not in ("auto", "kvops"):
+            raise ValueError(f"kvops manages only kvops engines: a {self.kind} server is watched (give its url)")
         if not self.managed and self.args:
             raise ValueError("args apply to managed engines only: kvops cannot change a watched engine's flags")
         return self

@@ -22,6 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import IO, Any
 
 import structlog
@@ -33,6 +34,18 @@ from kvops.history import EngineExit, EngineHistory
 log = structlog.get_logger("kvops.supervisor.engine")
 
 STDERR_TAIL_LINES = 40
+LOG_TAIL_LINES = 500
+
+
+@dataclass(frozen=True)
+class LogLine:
+    """One line of an engine's log as `kvops top` shows it: the engine's own lines (stdout and
+    stderr, JSON log records flattened to "event key=value") and the manager's notes (stream "kvops")."""
+
+    time: float
+    stream: str
+    level: str
+    text: str
 _PR_SET_PDEATHSIG = 1
 
 
@@ -75,6 +88,7 @@ class ManagedEngine:
         self.process: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0
         self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
+        self.log_tail: deque[LogLine] = deque(maxlen=LOG_TAIL_LINES)
         self.backoff_s = spec.restart.initial_backoff_s
         self.next_start_at: float | None = None  # when a restart is due
         self.stopping = False
@@ -100,6 +114,7 @@ class ManagedEngine:
             self.next_start_at = None
             log.info("engine started", engine=self.spec.name, pid=self.process.pid, url=self.url,
                      args=self.args)
+            self._note("info", f"started pid {self.process.pid}: {' '.join(cmd[3:])}")
             for stream, name in ((self.process.stdout, "stdout"), (self.process.stderr, "stderr")):
                 threading.Thread(target=self._forward, args=(stream, name), daemon=True,
                                  name=f"kvops-engine-{self.spec.name}-{name}").start()
@@ -122,10 +137,16 @@ class ManagedEngine:
                 event = record.pop("event", "")
                 record.pop("timestamp", None)
                 level = str(record.pop("level", "info"))
+                fields = " ".join(f"{key}={value}" for key, value in record.items() if key != "logger")
+                self.log_tail.append(LogLine(time.time(), name, level, f"{event} {fields}".rstrip()))
                 getattr(log, level if level in ("debug", "info", "warning", "error") else "info")(
                     f"engine: {event}", engine=self.spec.name, **record)
             else:
+                self.log_tail.append(LogLine(time.time(), name, "error" if "Traceback" in line else "info", line))
                 log.info(f"engine: {line}", engine=self.spec.name, stream=name)
+
+    def _note(self, level: str, text: str) -> None:
+        self.log_tail.append(LogLine(time.time(), "kvops", level, text))
 
     def wait_healthy(self, timeout_s: float | None = None) -> None:
         """Block until /health answers; raise EngineUnreachable naming what was waited for."""
@@ -183,10 +204,13 @@ class ManagedEngine:
             self.history.crash_loop = True
             log.error("engine crash loop: not restarting", engine=self.spec.name, exits=len(recent),
                       window_s=policy.crash_loop_window_s, last=how, stderr_tail=list(event.stderr_tail)[-5:])
+            self._note("error", f"exited ({how}); crash loop: {len(recent)} exits in "
+                                f"{policy.crash_loop_window_s:g} s, not restarting")
             return
         self.next_start_at = now + self.backoff_s
         log.warning("engine exited; restarting", engine=self.spec.name, how=how, in_s=self.backoff_s,
                     stderr_tail=list(event.stderr_tail)[-5:])
+        self._note("warning", f"exited ({how}); restarting in {self.backoff_s:g} s")
         self.backoff_s = min(self.backoff_s * 2, policy.max_backoff_s)
 
     def stop(self, timeout_s: float | None = None) -> None:
@@ -210,6 +234,8 @@ class ManagedEngine:
     def restart_with(self, args: dict[str, Any]) -> None:
         """Drain and stop, then start with new settings and wait until healthy (a restart fix)."""
         with self._lock:
+            changed = {k: v for k, v in args.items() if self.args.get(k) != v}
+            self._note("info", f"restarting with {changed or 'the same settings'}")
             self.stop()
             self.args = dict(args)
             self.stopping = False

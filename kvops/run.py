@@ -17,7 +17,8 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", help="where the alert outbox and the audit log live")
     parser.add_argument("--poll-interval", type=float, help="seconds between snapshots (default 0.5)")
     parser.add_argument("--engine-url", action="append", default=[], metavar="URL",
-                        help="watch a kvops engine kvops does not manage (repeatable)")
+                        help="watch an engine kvops does not manage: a kvops engine, or a vLLM or SGLang server "
+                        "(recognised from its /metrics; repeatable)")
     parser.add_argument("--no-managed", action="store_true",
                         help="start no engine: only watch the --engine-url / configured ones")
     parser.add_argument("--policy", action="append", default=[], metavar="RULE=POLICY",

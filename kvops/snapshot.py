@@ -32,6 +32,31 @@ def decode_block_map(encoded: str) -> str:
     return "".join(char * int(count) for count, char in re.findall(r"(\d+)(\D)", encoded))
 
 
+# The owner map gives each tenant one letter, in order of first appearance; "." is a block nobody
+# owns (free) and OTHER_OWNER_CODE stands for every tenant past the 52nd.
+OWNER_CODES = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+NO_OWNER_CODE = "."
+OTHER_OWNER_CODE = "+"
+
+
+def encode_owner_map(owners: list[str | None]) -> tuple[str, list[str]]:
+    """Per-block owning tenants (None: no owner) as (encode_block_map of one letter per block,
+    the tenants in letter order)."""
+    letters: dict[str, str] = {}
+    codes = []
+    for owner in owners:
+        if owner is None:
+            codes.append(NO_OWNER_CODE)
+            continue
+        code = letters.get(owner)
+        if code is None:
+            code = OWNER_CODES[len(letters)] if len(letters) < len(OWNER_CODES) else OTHER_OWNER_CODE
+            if code != OTHER_OWNER_CODE:
+                letters[owner] = code
+        codes.append(code)
+    return encode_block_map("".join(codes)), list(letters)
+
+
 class EngineInfo(BaseModel):
     model: str
     engine_version: str
@@ -57,6 +82,8 @@ class BlockStats(BaseModel):
     counts: dict[str, int]  # state name -> blocks; the states of BLOCK_STATE_CODES ("swapped": host blocks)
     usage: float  # fraction of blocks holding live sequences' K/V (filling + full)
     state_map: str  # encode_block_map of one code per block, block id order
+    owner_map: str = ""  # encode_owner_map: the tenant owning each block, block id order
+    owners: list[str] = Field(default_factory=list)  # owner_map's tenants: "a" is owners[0], "b" owners[1]...
     allocated_slots: int  # slots in blocks held by live sequences
     used_slots: int  # of those, slots holding a computed token
 
@@ -90,6 +117,12 @@ class RequestStats(BaseModel):
     # Median over live requests (running, swapped, waiting) of prompt + max_tokens, capped at
     # max_model_len: how long they may grow, which sizing concurrency needs before any has finished.
     live_requested_len_p50: int | None = None
+    # Latency of generated tokens, cumulative (the difference of two snapshots gives the mean over
+    # the interval): time to first token from arrival, and between consecutive tokens of a request.
+    ttft_seconds_sum: float = 0.0
+    ttft_count: int = 0
+    itl_seconds_sum: float = 0.0
+    itl_count: int = 0
 
 
 class Histogram(BaseModel):
@@ -166,8 +199,17 @@ class ProcessStats(BaseModel):
     gpu_status: str  # "ok", or why there is no GPU data ("no GPU", "NVML unavailable: ...")
 
 
+# Where a snapshot came from: a kvops engine's /stats, or an adapter reading another server's /metrics.
+SNAPSHOT_SOURCES = ("kvops", "vllm", "sglang")
+
+
 class Snapshot(BaseModel):
     schema_version: int = SCHEMA_VERSION
+    # Added compatibly (defaults = a kvops engine that reports everything), so schema_version stays 1.
+    source: str = "kvops"  # one of SNAPSHOT_SOURCES
+    # Fields the source does not report, as dotted paths ("swap", "tenants", "engine.num_blocks"): they hold
+    # neutral values (0, empty) that rules read as "nothing happening", and doctor marks as not checked.
+    unknown: list[str] = Field(default_factory=list)
     time: float  # unix seconds
     uptime_s: float
     engine: EngineInfo
@@ -179,3 +221,7 @@ class Snapshot(BaseModel):
     swap: SwapStats
     tenants: dict[str, TenantStats]
     process: ProcessStats
+
+    def knows(self, path: str) -> bool:
+        """False when `path` (or a field containing it) is among the fields the source does not report."""
+        return not any(path == gap or path.startswith(gap + ".") for gap in self.unknown)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from kvops.adapters import WatchedEngineClient
 from kvops.alerting import Alerter
 from kvops.config import EngineSpec, KvopsConfig
 from kvops.diagnosis import Diagnosis, Severity
@@ -78,7 +79,8 @@ class Supervisor:
                 state = EngineState(spec, history, managed.client(), managed)
             else:
                 token = _env(spec.admin_token_env)
-                state = EngineState(spec, history, EngineClient(str(spec.url), token))
+                # Any server: kvops engines through /stats, vLLM and SGLang through /metrics (kvops.adapters).
+                state = EngineState(spec, history, WatchedEngineClient(str(spec.url), spec.kind, token))
             self.engines[spec.name] = state
         self.diagnoses: list[Diagnosis] = []
         self.polls_total = 0
@@ -173,6 +175,8 @@ class Supervisor:
         state.last_error = ""
         state.history.record_health(HealthSample(now, True))
         state.history.add(snap)
+        if snap.source != "kvops":
+            return  # the profiles are kvops admin endpoints
         self._schedule_probes(state, snap.engine.kv_cache_dtype != snap.engine.dtype,
                               snap.requests.finished_total, now)
 

@@ -5,6 +5,8 @@ GET  /metrics                                 Prometheus exposition (kvops.expor
 GET  /api/engines                             every engine: url, managed, up, pid, restarts, crash loop, last error
 GET  /api/engines/{name}/snapshot             the latest snapshot
 GET  /api/engines/{name}/history?seconds=60   snapshots of the last N seconds
+GET  /api/engines/{name}/logs?lines=100       the managed engine's latest log lines ([] for a watched one)
+GET  /api/prometheus/targets                  every engine as a Prometheus HTTP service-discovery target
 GET  /api/diagnoses                           active diagnoses, all engines
 GET  /api/alerts                              pending and firing alerts
 GET  /api/audit                               the fix audit log
@@ -16,7 +18,9 @@ POST /api/engines/{name}/resume               restart a managed engine stopped i
 from __future__ import annotations
 
 import hmac
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Header
 from fastapi.responses import JSONResponse, Response
@@ -24,6 +28,7 @@ from pydantic import BaseModel
 
 from kvops import exporter
 from kvops.fixes import FixError
+from kvops.managed_engine import LOG_TAIL_LINES, ManagedEngine
 
 if TYPE_CHECKING:
     from kvops.supervisor import Supervisor
@@ -37,6 +42,13 @@ class ApplyFixBody(BaseModel):
 
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+
+
+def _last_log(managed: ManagedEngine | None) -> str | None:
+    """The engine's latest log line: what a starting engine is busy with."""
+    if managed is None or not managed.log_tail:
+        return None
+    return managed.log_tail[-1].text
 
 
 def build_supervisor_app(sup: Supervisor) -> FastAPI:
@@ -81,8 +93,21 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
                 "args": state.managed.args if state.managed else None,
                 "diagnoses": len(state.diagnoses),
                 "snapshot_time": latest.time if latest else None,
+                "started_at": state.managed.started_at if state.managed and state.managed.pid else None,
+                "restart_at": state.managed.next_start_at if state.managed else None,
+                "last_log": _last_log(state.managed),
             })
         return out
+
+    @app.get("/api/engines/{name}/logs")
+    async def logs(name: str, lines: int = 100) -> Any:
+        state, missing = engine_or_404(name)
+        if missing:
+            return missing
+        if state.managed is None:
+            return []  # a watched engine logs wherever it was started; kvops never sees its output
+        tail = list(state.managed.log_tail)[-max(0, min(lines, LOG_TAIL_LINES)):] if lines > 0 else []
+        return [asdict(line) for line in tail]
 
     @app.get("/api/engines/{name}/snapshot")
     async def snapshot(name: str) -> Response:
@@ -101,6 +126,14 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
         snaps = state.history.window(seconds)
         body = "[" + ",".join(s.model_dump_json() for s in snaps) + "]"
         return Response(body, media_type="application/json")
+
+    @app.get("/api/prometheus/targets")
+    async def prometheus_targets() -> list[dict[str, Any]]:
+        # Prometheus's http_sd_configs format: a managed engine's port is chosen at start (and kept
+        # across restarts), so Prometheus learns it here instead of from a static config.
+        return [{"targets": [urlsplit(state.url).netloc], "labels": {"engine": name, "kind": state.spec.kind,
+                                                                     "managed": str(state.spec.managed).lower()}}
+                for name, state in sup.engines.items()]
 
     @app.get("/api/diagnoses")
     async def diagnoses() -> list[dict[str, Any]]:

@@ -6,7 +6,7 @@ import pytest
 
 from kvops.engine.errors import InvalidRequestError
 from kvops.engine.sampling import SamplingParams
-from kvops.snapshot import Snapshot, decode_block_map
+from kvops.snapshot import OWNER_CODES, Snapshot, decode_block_map
 
 
 def test_seeded_sampling_is_reproducible_and_differs_across_seeds(llm, chat_prompts):
@@ -101,8 +101,23 @@ def test_abort_sends_blocks_through_pending_free(llm, chat_prompts):
 
 
 def test_snapshot_reports_what_happened(llm, chat_prompts):
-    llm.generate(chat_prompts[:4], SamplingParams(temperature=0, max_tokens=8), tenants=["a", "a", "b", "b"])
+    before = llm.engine.snapshot().requests
+    llm.generate(chat_prompts[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                 tenants=["a", "a", "b", "b"])
     snap = Snapshot.model_validate_json(llm.engine.snapshot().model_dump_json())
+    # 4 first tokens, 7 more each; latencies are real, positive times
+    assert snap.requests.ttft_count - before.ttft_count == 4
+    assert snap.requests.itl_count - before.itl_count == 28
+    assert snap.requests.ttft_seconds_sum > before.ttft_seconds_sum
+    assert snap.requests.itl_seconds_sum > before.itl_seconds_sum
+    # the owner map names the tenant of every block that is not free, as many as it owns
+    owners = decode_block_map(snap.blocks.owner_map)
+    assert len(owners) == snap.engine.num_blocks
+    for letter, tenant in zip(OWNER_CODES, snap.blocks.owners, strict=False):
+        assert owners.count(letter) == snap.tenants[tenant].blocks_owned
+    assert {"a", "b"} <= set(snap.blocks.owners)
+    states = decode_block_map(snap.blocks.state_map)
+    assert all((o == ".") == (s == ".") for o, s in zip(owners, states, strict=True))
     assert sum(snap.blocks.counts.values()) == snap.engine.num_blocks
     assert len(decode_block_map(snap.blocks.state_map)) == snap.engine.num_blocks
     assert snap.tenants["a"].requests_total >= 2 and snap.tenants["b"].prompt_tokens_total > 0

@@ -7,7 +7,14 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvops.snapshot import BLOCK_STATE_CODES, decode_block_map, encode_block_map
+from kvops.snapshot import (
+    BLOCK_STATE_CODES,
+    OTHER_OWNER_CODE,
+    OWNER_CODES,
+    decode_block_map,
+    encode_block_map,
+    encode_owner_map,
+)
 
 CODES = "".join(BLOCK_STATE_CODES.values())
 
@@ -27,3 +34,15 @@ def test_block_map_of_100k_blocks_stays_small():
     encoded = encode_block_map(codes_str)
     assert len(encoded) < 20_000  # vs 100,000 characters raw
     assert decode_block_map(encoded) == codes_str
+
+
+def test_owner_map_letters_follow_first_appearance_and_cap_at_52_tenants():
+    owners = [None, "audit-log", "audit-log", "chat", None, "audit-log"]
+    encoded, tenants = encode_owner_map(owners)
+    assert tenants == ["audit-log", "chat"]
+    assert decode_block_map(encoded) == ".aab.a"
+
+    many = [f"t{i}" for i in range(60)]
+    encoded, tenants = encode_owner_map(many)
+    assert tenants == many[:52]  # a letter each; the rest share "+"
+    assert decode_block_map(encoded) == OWNER_CODES + OTHER_OWNER_CODE * 8

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+from waiting import wait_for
 
 
 def _free_port() -> int:
@@ -116,19 +117,7 @@ class Daemon:
         return self.get("/api/engines")[0]
 
     def wait(self, what: str, check: Callable[[], Any], timeout_s: float = 120) -> Any:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"kvops run exited {self.proc.returncode} while waiting for {what}: "
-                                     f"{self.proc.stderr.read().decode()[-3000:] if self.proc.stderr else ''}")
-            try:
-                value = check()
-            except (httpx.HTTPError, ValueError, KeyError, IndexError):
-                value = None
-            if value:
-                return value
-            time.sleep(0.2)
-        raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        return wait_for(what, check, timeout_s, (self.proc,), every_s=0.2)
 
     def wait_engine_up(self, not_pid: int | None = None, timeout_s: float = 120) -> int:
         def up() -> int | None:
@@ -168,6 +157,15 @@ def test_engine_killed_alerts_survive_receiver_outage_and_daemon_kill(tmp_path: 
         assert time.monotonic() - killed_at < 10, "the engine was not back within 10 s"
         engine = daemon.engine()
         assert engine["restarts"] == 1 and engine["last_exit"]["signal"] == signal.SIGKILL
+        # what kvops top's log panel shows: the supervisor's notes among the engine's own lines
+        notes = [line["text"] for line in daemon.get("/api/engines/default/logs?lines=500")
+                 if line["stream"] == "kvops"]
+        assert any(n.startswith("exited (signal SIGKILL); restarting in") for n in notes)
+        assert notes[-1].startswith(f"started pid {new_pid}")
+        # Prometheus finds the engine through the supervisor, whatever port it got
+        assert daemon.get("/api/prometheus/targets") == [{"targets": [engine["url"].removeprefix("http://")],
+                                                          "labels": {"engine": "default", "kind": "auto",
+                                                                     "managed": "true"}}]
         # engine_down fired and resolved while the receiver was down: both wait in the outbox.
         daemon.wait("two notifications in the outbox",
                     lambda: httpx.get(daemon.api + "/metrics").text.count("kvops_alert_outbox_pending 2.0"))

@@ -1,103 +1,31 @@
 """`kvops top`: the block-map layout (pure), the text renderings, and the Textual app driven by a pilot.
 
-The app tests run against `FakeSupervisor`, a small in-process object with the same interface as
-`kvops.top.client.SupervisorClient`, fed with `tests/synthetic.py` snapshots. It stands in for the
-supervisor's HTTP API, which test_supervisor.py covers end to end; here only the app's behaviour
-is under test (navigation, filter, sort, applying and reverting fixes, the lost-supervisor banner).
+The app tests run against `FakeSupervisor` (tests/fake_supervisor.py), a small in-process object
+with the same interface as `kvops.top.client.SupervisorClient`, fed with `tests/synthetic.py`
+snapshots. It stands in for the supervisor's HTTP API, which test_supervisor.py and
+test_top_embedded.py cover end to end; here only the app's behaviour is under test (navigation,
+filter, sort, details, applying and reverting fixes, the lost-supervisor banner).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pytest
+from fake_supervisor import FakeSupervisor
 from synthetic import T0, snapshot
 from textual.widgets import DataTable, Input, Static
 
-from kvops.diagnosis import Diagnosis, Fix, FixKind, Severity
-from kvops.fixes import AuditEntry
-from kvops.snapshot import Snapshot, decode_block_map
-from kvops.top.app import ConfirmScreen, KvopsTop
+from kvops.snapshot import Snapshot, decode_block_map, encode_owner_map
+from kvops.top.app import ConfirmScreen, DetailScreen, KvopsTop, Readout
 from kvops.top.bench import synthetic_codes
-from kvops.top.block_map import aggregate, layout, render_rows
+from kvops.top.block_map import aggregate, aggregate_owners, layout, layout_owners, render_rows
 from kvops.top.client import EngineEntry, Poller, SupervisorRefused, SupervisorUnreachable
 from kvops.top.render import histogram_lines, render_json, render_once, series
-
-TENANTS = {
-    "alice": {"blocks_held": 300, "blocks_owned": 320, "quota_blocks": 400, "hit_rate": 0.9,
-              "evictions_caused": 1, "evictions_suffered": 50},
-    "bob": {"blocks_held": 100, "blocks_owned": 100, "quota_blocks": None, "hit_rate": 0.2,
-            "evictions_caused": 70, "evictions_suffered": 0},
-    "carol": {"blocks_held": 200, "blocks_owned": 210, "quota_blocks": 250, "hit_rate": 0.5,
-              "evictions_caused": 5, "evictions_suffered": 5},
-}
-
-
-class FakeSupervisor:
-    """The SupervisorClient interface over synthetic snapshots; `down` makes every call fail."""
-
-    url = "http://fake-supervisor"
-
-    def __init__(self, admin_token: str | None = "secret") -> None:
-        self.admin_token = admin_token
-        self.down = False
-        self.applied: list[tuple[str, str, str]] = []
-        self.reverted: list[int] = []
-        self.snaps = {
-            "gpu-a": [snapshot(T0 - 10 + i, tenants=TENANTS,
-                               requests={"generation_tokens_total": 64_000 + 100 * i}) for i in range(11)],
-            "gpu-b": [snapshot(T0 - 10 + i, engine={"model": "Other-Model", "block_size": 32}) for i in range(11)],
-        }
-        fix = Fix(kind=FixKind.ADMIN, action="set_tenant_quota", params={"tenant": "bob", "blocks": 200},
-                  description="cap bob at 200 blocks")
-        self.diags = [
-            Diagnosis(rule="noisy_tenant", engine="gpu-a", subject="bob", severity=Severity.WARNING,
-                      title="A tenant evicts the others", summary="bob caused 70 evictions",
-                      evidence={"evictions_caused": 70}, fix=fix),
-            Diagnosis(rule="low_hit_rate", engine="gpu-b", severity=Severity.INFO, title="Low hit rate",
-                      summary="hit rate 20%", evidence={"hit_rate": 0.2}),
-        ]
-        self.entries = [AuditEntry(id=7, time=T0 - 5, engine="gpu-a", rule="noisy_tenant", subject="bob",
-                                   action="applied", fix=fix, message="quota set")]
-
-    def _check(self) -> None:
-        if self.down:
-            raise SupervisorUnreachable(f"supervisor at {self.url} unreachable: ConnectError: refused")
-
-    def engines(self) -> list[EngineEntry]:
-        self._check()
-        return [EngineEntry(name=name, url=f"http://{name}", up=True, pid=1) for name in self.snaps]
-
-    def snapshot(self, name: str) -> Snapshot:
-        self._check()
-        if name not in self.snaps:
-            raise SupervisorRefused(f"GET /api/engines/{name}/snapshot: HTTP 404: no engine", 404)
-        return self.snaps[name][-1]
-
-    def history(self, name: str, seconds: float = 60.0) -> list[Snapshot]:
-        self._check()
-        return list(self.snaps[name][:-1])
-
-    def diagnoses(self) -> list[Diagnosis]:
-        self._check()
-        return list(self.diags)
-
-    def audit(self) -> list[AuditEntry]:
-        self._check()
-        return list(self.entries)
-
-    def apply_fix(self, engine: str, rule: str, subject: str = "") -> AuditEntry:
-        self._check()
-        self.applied.append((engine, rule, subject))
-        return AuditEntry(id=8, time=T0, engine=engine, rule=rule, subject=subject, action="applied")
-
-    def revert_fix(self, entry_id: int) -> AuditEntry:
-        self._check()
-        self.reverted.append(entry_id)
-        return AuditEntry(id=9, time=T0, engine="gpu-a", rule="noisy_tenant", action="reverted")
-
 
 # ----------------------------------------------------------------- block map (pure)
 
@@ -195,7 +123,7 @@ def rows(app: KvopsTop, table: str, column: int = 0) -> list[str]:
 def test_app_shows_engines_and_tab_moves_between_panels() -> None:
     async def body(pilot: Any, app: KvopsTop, fake: FakeSupervisor) -> None:
         assert rows(app, "engines") == ["gpu-a", "gpu-b"]
-        assert "1 cell = 1 block" in str(app.query_one("#map-legend", Static).render())
+        assert "1 cell = 1 block" in str(app.query_one("#map-legend", Readout).render())
         assert rows(app, "tenants") == ["alice", "carol", "bob"]  # by blocks held
         assert app.focused.id == "engines"
         focus = []
@@ -205,20 +133,20 @@ def test_app_shows_engines_and_tab_moves_between_panels() -> None:
         assert focus == ["tenants", "diagnoses", "audit"]
         await pilot.press("shift+tab", "shift+tab", "shift+tab", "down")  # engines: pick gpu-b
         assert app.selected_engine == "gpu-b" and rows(app, "tenants") == []
-        assert "block size 32" in str(app.query_one("#engine-info", Static).render())
+        assert "block size 32" in str(app.query_one("#engine-info", Readout).render())
 
     run_app(body)
 
 
 def test_filter_and_sort() -> None:
     async def body(pilot: Any, app: KvopsTop, fake: FakeSupervisor) -> None:
-        await pilot.press("s")  # quota
+        await pilot.press("s", "s")  # blocks owned, then quota
         assert rows(app, "tenants") == ["alice", "carol", "bob"]
         await pilot.press("s")  # hit rate
         assert rows(app, "tenants") == ["alice", "carol", "bob"]
         await pilot.press("s")  # evictions caused
         assert rows(app, "tenants") == ["bob", "carol", "alice"]
-        assert "evictions caused" in app.query_one("#tenants-panel").border_title
+        assert "evictions caused ↓" in app.query_one("#tenants-panel").border_title
         await pilot.press("slash", "b", "o")
         assert app.query_one("#filter", Input).has_focus
         assert rows(app, "tenants") == ["bob"] and rows(app, "diagnoses", 2) == ["noisy_tenant"]
@@ -234,7 +162,7 @@ def test_filter_and_sort() -> None:
 def test_apply_fix_asks_first_then_calls_the_supervisor() -> None:
     async def body(pilot: Any, app: KvopsTop, fake: FakeSupervisor) -> None:
         await pilot.press("tab", "tab")  # diagnoses
-        assert "cap bob at 200 blocks" in str(app.query_one("#diagnosis-detail", Static).render())
+        assert "cap bob at 200 blocks" in str(app.query_one("#diagnosis-detail", Readout).render())
         await pilot.press("f")
         assert isinstance(app.screen, ConfirmScreen)
         await pilot.press("n")
@@ -311,3 +239,142 @@ def test_client_turns_network_errors_into_supervisor_unreachable(capsys: Any) ->
         assert exc.status == 401 and "admin token" in str(exc)
     assert run_top("http://127.0.0.1:9", once=True) == 1
     assert "kvops top: supervisor at" in capsys.readouterr().err
+
+
+def test_clicking_a_column_header_sorts_and_a_second_click_reverses() -> None:
+    async def body(pilot: Any, app: KvopsTop, fake: FakeSupervisor) -> None:
+        table = app.query_one("#tenants", DataTable)
+        suffered = list(table.columns)[6]
+        table.post_message(DataTable.HeaderSelected(table, suffered, 6, table.columns[suffered].label))
+        await pilot.pause()
+        assert rows(app, "tenants") == ["alice", "carol", "bob"]  # 50, 5, 0 suffered
+        await pilot.click("#tenants", offset=(2, 0))  # the "tenant" header: by name, A to Z
+        assert rows(app, "tenants") == ["alice", "bob", "carol"]
+        await pilot.click("#tenants", offset=(2, 0))
+        assert rows(app, "tenants") == ["carol", "bob", "alice"]
+        assert "name Z-A" in app.query_one("#tenants-panel").border_title
+
+    run_app(body)
+
+
+def test_enter_shows_the_detail_of_the_selected_row() -> None:
+    async def body(pilot: Any, app: KvopsTop, fake: FakeSupervisor) -> None:
+        await pilot.press("tab", "tab", "enter")  # diagnoses: noisy_tenant
+        assert isinstance(app.screen, DetailScreen)
+        body_text = str(app.screen.query_one("#detail-body", Static).render())
+        assert "evictions_caused: 70" in body_text and "set_tenant_quota" in body_text
+        await pilot.press("escape")
+        assert not isinstance(app.screen, DetailScreen)
+        await pilot.press("shift+tab", "enter")  # tenants: alice, by blocks held
+        assert "quota 400 blocks" in str(app.screen.query_one("#detail-body", Static).render())
+        await pilot.press("escape", "shift+tab", "enter")  # engines: gpu-a
+        assert "block size 16" in str(app.screen.query_one("#detail-body", Static).render())
+
+    run_app(body)
+
+
+def test_tenant_view_of_the_block_map() -> None:
+    fake = FakeSupervisor()
+    owners = ["alice"] * 30 + ["bob"] * 10 + [None] * 984
+    encoded, names = encode_owner_map(owners)
+    for snap in fake.snaps["gpu-a"]:
+        snap.blocks.owner_map, snap.blocks.owners = encoded, names
+
+    async def body(pilot: Any, app: KvopsTop, fake: FakeSupervisor) -> None:
+        await pilot.press("t")
+        assert "block map: tenants" in app.query_one("#map-panel").border_title
+        legend = str(app.query_one("#map-legend", Readout).render())
+        assert "a alice 30" in legend and "b bob 10" in legend and "no owner 984" in legend
+        assert str(app.query_one("#block-map", Readout).render()).startswith("a" * 30 + "b" * 10)
+        await pilot.press("t")
+        assert "free 900" in str(app.query_one("#map-legend", Readout).render())
+
+    run_app(body, fake=fake)
+
+
+def test_owner_cells_show_the_tenant_owning_most_blocks() -> None:
+    assert aggregate_owners("aab.", 4) == "a"
+    assert aggregate_owners("....", 2) == ".."
+    assert aggregate_owners(".b..a", 5) == "b"  # a tie goes to the first seen
+    grid = layout_owners("a" * 16_384, width=120, height=20)
+    assert grid.blocks_per_cell == 7 and set("".join(grid.rows)) == {"a"}
+
+
+def test_log_panel_follows_the_selected_engine() -> None:
+    async def body(pilot: Any, app: KvopsTop, fake: FakeSupervisor) -> None:
+        log = str(app.query_one("#log", Readout).render())
+        assert "gpu-a: preempted 2 sequences" in log and "gpu-a: request failed" in log
+        await pilot.press("down")  # engines: gpu-b
+        await settle(pilot)
+        assert "gpu-b: engine started" in str(app.query_one("#log", Readout).render())
+        assert fake.log_requests[-1] == "gpu-b"
+        await pilot.press("l")
+        assert not app.query_one("#log-panel").display
+        requests = len(fake.log_requests)
+        app.action_refresh()
+        await settle(pilot)
+        assert len(fake.log_requests) == requests  # hidden: not fetched
+
+    run_app(body)
+
+
+def test_a_starting_engine_says_what_it_waits_for() -> None:
+    class Starting(FakeSupervisor):
+        def engines(self) -> list[EngineEntry]:
+            self._check()
+            return [EngineEntry(name="gpu-c", url="http://127.0.0.1:8123", managed=True, up=False, pid=77,
+                                started_at=time.time() - 12, last_log="loading weights from model.safetensors")]
+
+    async def body(pilot: Any, app: KvopsTop, fake: FakeSupervisor) -> None:
+        info = str(app.query_one("#engine-info", Readout).render())
+        assert "gpu-c: starting (pid 77), 0m1" in info  # 12 s and counting
+        assert "waiting for http://127.0.0.1:8123/health" in info
+        assert "engine: loading weights from model.safetensors" in info
+
+    fake = Starting()
+    fake.snaps = {}
+    run_app(body, fake=fake)
+
+
+def test_an_embedded_supervisor_that_is_not_up_yet_is_not_lost() -> None:
+    fake = FakeSupervisor()
+    fake.down = True
+
+    async def main() -> None:
+        app = KvopsTop(fake, interval_s=60, starting="starting the supervisor (pid 99)")
+        async with app.run_test(size=(160, 50)) as pilot:
+            await settle(pilot)
+            assert not app.query_one("#banner", Static).has_class("lost")
+            assert "starting the supervisor (pid 99)" in str(app.query_one("#engine-info", Readout).render())
+            fake.down = False
+            app.action_refresh()
+            await settle(pilot)
+            assert rows(app, "engines") == ["gpu-a", "gpu-b"]
+            fake.down = True  # once it has answered, losing it is news
+            app.action_refresh()
+            await settle(pilot)
+            assert app.query_one("#banner", Static).has_class("lost")
+
+    asyncio.run(main())
+
+
+def test_latency_series_are_interval_means() -> None:
+    history = [snapshot(T0 + i, requests={"ttft_seconds_sum": 0.5 * i, "ttft_count": i,
+                                          "itl_seconds_sum": 0.02 * 10 * i, "itl_count": 10 * (i // 2)})
+               for i in range(4)]
+    data = series(history)
+    assert data["ttft"] == [0.5, 0.5, 0.5]
+    # intervals with no new tokens carry the last mean over (0 before the first)
+    assert data["itl"] == pytest.approx([0.0, 0.02, 0.02])
+
+
+def test_an_external_server_without_block_states_says_so() -> None:
+    fake = FakeSupervisor()
+    for snap in fake.snaps["gpu-a"]:
+        snap.source, snap.blocks.state_map, snap.blocks.usage = "vllm", "", 0.42
+
+    async def body(pilot: Any, app: KvopsTop, fake: FakeSupervisor) -> None:
+        shown = str(app.query_one("#block-map", Readout).render())
+        assert "a vllm server: its /metrics has no per-block states" in shown and "KV usage 42%" in shown
+
+    run_app(body, fake=fake)

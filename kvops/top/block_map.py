@@ -1,4 +1,5 @@
 """The block map: a decoded block-state string (one code per block, kvops.snapshot) laid out in cells.
+The tenant view does the same with the owner map (one tenant letter per block).
 
 Pure functions, no Textual. When there are more blocks than cells, each cell covers N blocks and
 shows the most interesting state among them, by `PRIORITY` (a single swapped or pending-free block
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rich.text import Text
 
-from kvops.snapshot import BLOCK_STATE_CODES
+from kvops.snapshot import BLOCK_STATE_CODES, NO_OWNER_CODE, OTHER_OWNER_CODE, OWNER_CODES
 
 # Most interesting first.
 PRIORITY = ("swapped", "pending_free", "filling", "full", "cached", "free")
@@ -67,23 +69,29 @@ def blocks_per_cell(total: int, width: int, height: int) -> int:
     return max(1, math.ceil(total / cells))
 
 
-def layout(codes: str, width: int, height: int) -> BlockGrid:
-    """`codes` (decode_block_map output) in at most `height` rows of `width` cells."""
+def layout(codes: str, width: int, height: int, merge: Callable[[str, int], str] | None = None) -> BlockGrid:
+    """`codes` (decode_block_map output) in at most `height` rows of `width` cells; `merge` makes one
+    cell of several blocks (default: `aggregate`, the most interesting state)."""
     width = max(1, width)
     per_cell = blocks_per_cell(len(codes), width, height)
-    cells = aggregate(codes, per_cell)
+    cells = (merge or aggregate)(codes, per_cell)
     rows = [cells[i:i + width] for i in range(0, len(cells), width)]
     return BlockGrid(rows=rows, blocks_per_cell=per_cell, total_blocks=len(codes))
 
 
-def render_rows(rows: list[str]) -> Text:
-    """Rich text of the grid: runs of equal cells share one span, so 16k cells stay cheap."""
+def state_style(code: str) -> tuple[str, str]:
+    return _CODE_STYLE.get(code, UNKNOWN)
+
+
+def render_rows(rows: list[str], style: Callable[[str], tuple[str, str]] = state_style) -> Text:
+    """Rich text of the grid, each code drawn as `style(code)` = (glyph, colour): runs of equal cells
+    share one span, so 16k cells stay cheap."""
     text = Text(no_wrap=True, overflow="crop")
     for i, row in enumerate(rows):
         if i:
             text.append("\n")
         for match in _RUNS.finditer(row):
-            glyph, colour = _CODE_STYLE.get(match.group(1), UNKNOWN)
+            glyph, colour = style(match.group(1))
             text.append(glyph * len(match.group(0)), style=colour)
     return text
 
@@ -96,4 +104,58 @@ def legend(counts: dict[str, int] | None = None) -> Text:
         text.append(glyph, style=colour)
         label = state.replace("_", " ")
         text.append(f" {label} {counts.get(state, 0)}  " if counts is not None else f" {label}  ")
+    return text
+
+
+# ----------------------------------------------------------------- the tenant view
+
+# Tenant colours, from the 16 ANSI ones, cycled; the glyph is the tenant's letter (OWNER_CODES), so
+# the view also reads without colour.
+TENANT_COLOURS = ("cyan", "yellow", "green", "magenta", "bright_blue", "bright_red", "bright_green",
+                  "bright_magenta", "blue", "bright_cyan", "bright_yellow", "red")
+
+
+def aggregate_owners(codes: str, per_cell: int) -> str:
+    """One owner code per `per_cell` blocks: the tenant owning most of them, free ("." ) only when
+    every block is free. Ties go to the tenant appearing first."""
+    if per_cell <= 1:
+        return codes
+    cells = []
+    for i in range(0, len(codes), per_cell):
+        group = codes[i:i + per_cell].replace(NO_OWNER_CODE, "")
+        cells.append(max(dict.fromkeys(group), key=group.count) if group else NO_OWNER_CODE)
+    return "".join(cells)
+
+
+def layout_owners(codes: str, width: int, height: int) -> BlockGrid:
+    """`codes` (the decoded owner map) in at most `height` rows of `width` cells."""
+    return layout(codes, width, height, merge=aggregate_owners)
+
+
+def owner_style(code: str) -> tuple[str, str]:
+    if code == NO_OWNER_CODE:
+        return STYLE["free"]
+    if code == OTHER_OWNER_CODE:
+        return OTHER_OWNER_CODE, "bold white"
+    index = OWNER_CODES.find(code)
+    return code, f"bold {TENANT_COLOURS[index % len(TENANT_COLOURS)]}" if index >= 0 else "bold white"
+
+
+def render_owner_rows(rows: list[str]) -> Text:
+    return render_rows(rows, owner_style)
+
+
+def owner_legend(owners: list[str], codes: str) -> Text:
+    """Each tenant's letter and colour with the blocks it owns; then free blocks."""
+    text = Text(no_wrap=False)
+    for code, tenant in zip(OWNER_CODES, owners, strict=False):
+        glyph, colour = owner_style(code)
+        text.append(glyph, style=colour)
+        text.append(f" {tenant} {codes.count(code)}  ")
+    if OTHER_OWNER_CODE in codes:
+        text.append(OTHER_OWNER_CODE, style="bold white")
+        text.append(f" other tenants {codes.count(OTHER_OWNER_CODE)}  ")
+    glyph, colour = STYLE["free"]
+    text.append(glyph, style=colour)
+    text.append(f" no owner {codes.count(NO_OWNER_CODE)}")
     return text

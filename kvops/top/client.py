@@ -55,12 +55,27 @@ class EngineEntry(BaseModel):
     last_error: str | None = None
     diagnoses: int = 0
     snapshot_time: float | None = None
+    started_at: float | None = None  # when the running process started (managed engines)
+    restart_at: float | None = None  # when a restart is due, after an exit
+    last_log: str | None = None  # the engine's latest log line: what a starting engine is busy with
+
+
+class LogLine(BaseModel):
+    """One line of GET /api/engines/{name}/logs."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    time: float
+    stream: str
+    level: str = "info"
+    text: str
 
 
 _engines = TypeAdapter(list[EngineEntry])
 _snapshots = TypeAdapter(list[Snapshot])
 _diagnoses = TypeAdapter(list[Diagnosis])
 _audit = TypeAdapter(list[AuditEntry])
+_logs = TypeAdapter(list[LogLine])
 
 
 class Source(Protocol):
@@ -74,6 +89,7 @@ class Source(Protocol):
     def history(self, name: str, seconds: float = 60.0) -> list[Snapshot]: ...
     def diagnoses(self) -> list[Diagnosis]: ...
     def audit(self) -> list[AuditEntry]: ...
+    def logs(self, name: str, lines: int = 100) -> list[LogLine]: ...
     def apply_fix(self, engine: str, rule: str, subject: str = "") -> AuditEntry: ...
     def revert_fix(self, entry_id: int) -> AuditEntry: ...
 
@@ -143,6 +159,10 @@ class SupervisorClient:
     def audit(self) -> list[AuditEntry]:
         return self._parse(_audit, self._request("GET", "/api/audit"), "/api/audit")
 
+    def logs(self, name: str, lines: int = 100) -> list[LogLine]:
+        body = self._request("GET", f"/api/engines/{name}/logs", params={"lines": lines})
+        return self._parse(_logs, body, f"the log of {name!r}")
+
     def apply_fix(self, engine: str, rule: str, subject: str = "") -> AuditEntry:
         body = self._request("POST", "/api/fixes/apply", admin=True,
                              json={"engine": engine, "rule": rule, "subject": subject})
@@ -166,6 +186,7 @@ class TopState:
     engines: list[EngineView]
     diagnoses: list[Diagnosis]
     audit: list[AuditEntry]
+    logs: list[LogLine] = field(default_factory=list)  # the log tail of the engine asked for
     time: float = field(default_factory=time.time)
 
 
@@ -177,12 +198,17 @@ class Poller:
         self.history_s = history_s
         self._history: dict[str, deque[Snapshot]] = {}
 
-    def poll(self) -> TopState:
+    def poll(self, log_engine: str | None = None, log_lines: int = 100) -> TopState:
+        """Everything on screen; the log tail of `log_engine` (default: the first engine) when
+        `log_lines` > 0."""
         entries = self.source.engines()
         views = [self._engine(entry) for entry in entries]
         for gone in set(self._history) - {e.name for e in entries}:
             del self._history[gone]
-        return TopState(engines=views, diagnoses=self.source.diagnoses(), audit=self.source.audit())
+        names = [e.name for e in entries]
+        log_engine = log_engine if log_engine in names else (names[0] if names else None)
+        logs = self.source.logs(log_engine, log_lines) if log_engine and log_lines > 0 else []
+        return TopState(engines=views, diagnoses=self.source.diagnoses(), audit=self.source.audit(), logs=logs)
 
     def _engine(self, entry: EngineEntry) -> EngineView:
         kept = self._history.get(entry.name)

@@ -7,7 +7,7 @@ import json
 import time
 from collections.abc import Sequence
 
-from kvops.snapshot import Histogram, Snapshot
+from kvops.snapshot import Histogram, Snapshot, TenantStats
 from kvops.top.client import EngineView, Poller, Source, SupervisorRefused
 
 
@@ -49,19 +49,41 @@ def health(view: EngineView) -> str:
 
 
 def series(history: Sequence[Snapshot]) -> dict[str, list[float]]:
-    """The sparkline series over a history, oldest first: KV usage, hit rate, swap rate (fractions)
-    and throughput (generated tokens/s between consecutive snapshots; one fewer point)."""
-    throughput = []
+    """The sparkline series over a history, oldest first: KV usage, hit rate, swap rate (fractions);
+    then, between consecutive snapshots (one point fewer), throughput (generated tokens/s) and the
+    mean time to first token and inter-token latency (seconds) of the tokens generated in between
+    (the last value carried over an interval with none, 0 before the first)."""
+    throughput: list[float] = []
+    ttft: list[float] = []
+    itl: list[float] = []
     for prev, cur in itertools.pairwise(history):
         dt = cur.time - prev.time
         tokens = cur.requests.generation_tokens_total - prev.requests.generation_tokens_total
         throughput.append(max(0.0, tokens / dt) if dt > 0 else 0.0)
+        ttft.append(_interval_mean(cur.requests.ttft_seconds_sum - prev.requests.ttft_seconds_sum,
+                                   cur.requests.ttft_count - prev.requests.ttft_count, ttft))
+        itl.append(_interval_mean(cur.requests.itl_seconds_sum - prev.requests.itl_seconds_sum,
+                                  cur.requests.itl_count - prev.requests.itl_count, itl))
     return {
         "kv_usage": [s.blocks.usage for s in history],
         "hit_rate": [s.prefix_cache.window_hit_rate for s in history],
         "swap_rate": [s.swap.window.swap_rate for s in history],
         "throughput": throughput,
+        "ttft": ttft,
+        "itl": itl,
     }
+
+
+def _interval_mean(seconds: float, count: int, so_far: list[float]) -> float:
+    if count > 0:  # a restarted engine's counters go back to zero: negative counts are skipped
+        return max(0.0, seconds / count)
+    return so_far[-1] if so_far else 0.0
+
+
+def fmt_seconds(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x * 1000:.0f} ms" if x < 10 else f"{x:.1f} s"
 
 
 def histogram_lines(h: Histogram, width: int = 30) -> list[str]:
@@ -98,6 +120,15 @@ def engine_summary(view: EngineView) -> list[str]:
         lines.append(f"  tenant {name}: held {t.blocks_held} quota {quota} hit {fmt_pct(t.hit_rate)} "
                      f"evictions caused {t.evictions_caused} suffered {t.evictions_suffered}")
     return lines
+
+
+def tenant_detail(name: str, t: TenantStats) -> str:
+    quota = f"{t.quota_blocks} blocks" if t.quota_blocks is not None else "none"
+    return (f"requests {t.requests_total}  prompt tokens {t.prompt_tokens_total}  served from cache "
+            f"{t.hit_tokens_total} ({fmt_pct(t.hit_rate)})\n"
+            f"blocks held by live requests {t.blocks_held}  owned (cached included) {t.blocks_owned}  quota {quota}\n"
+            f"evictions caused {t.evictions_caused}  suffered {t.evictions_suffered}\n"
+            f"cache salt {t.cache_salt or '(own)'}: tenants with the same salt share prefix blocks")
 
 
 def render_once(client: Source, history_s: float = 60.0) -> str:

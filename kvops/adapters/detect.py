@@ -1,0 +1,49 @@
+"""Which server a `/metrics` scrape (and `/v1/models`) comes from: a kvops engine, vLLM or SGLang."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+from kvops.adapters.kvops_metrics import snapshot_from_kvops_metrics
+from kvops.adapters.prometheus import Scrape
+from kvops.adapters.sglang import snapshot_from_sglang
+from kvops.adapters.vllm import snapshot_from_vllm
+from kvops.snapshot import Snapshot
+
+Flavour = Literal["kvops", "vllm", "sglang"]
+FLAVOURS: tuple[Flavour, ...] = ("kvops", "vllm", "sglang")
+_PREFIXES: dict[Flavour, str] = {"kvops": "kvops_", "vllm": "vllm:", "sglang": "sglang:"}
+
+Builder = Callable[[Scrape, float, dict[str, Any] | None, float | None], Snapshot]
+BUILDERS: dict[Flavour, Builder] = {
+    "kvops": snapshot_from_kvops_metrics,
+    "vllm": snapshot_from_vllm,
+    "sglang": snapshot_from_sglang,
+}
+
+
+def detect_flavour(scrape: Scrape | None, models: dict[str, Any] | None = None) -> Flavour | None:
+    """From the metric names (the prefix with the most series wins: a proxy may add a few of another's),
+    else from `/v1/models`' `owned_by`. None: not an inference server kvops knows."""
+    if scrape is not None:
+        counts = {f: sum(1 for n in scrape.names if n.startswith(p)) for f, p in _PREFIXES.items()}
+        best = max(counts, key=lambda f: counts[f])
+        if counts[best] > 0:
+            return best
+    owner = str(model_card(models).get("owned_by", "")).lower()
+    for flavour in FLAVOURS:
+        if flavour in owner:
+            return flavour
+    return None
+
+
+def model_card(models: dict[str, Any] | None) -> dict[str, Any]:
+    """The first model of a `/v1/models` answer ({} when there is none)."""
+    data = (models or {}).get("data") if isinstance(models, dict) else None
+    return data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else {}
+
+
+def snapshot_from_scrape(flavour: Flavour, scrape: Scrape, t: float, models: dict[str, Any] | None = None,
+                         started_at: float | None = None) -> Snapshot:
+    return BUILDERS[flavour](scrape, t, model_card(models), started_at)

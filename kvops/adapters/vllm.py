@@ -1,0 +1,86 @@
+"""vLLM's `/metrics` as a kvops snapshot.
+
+Names from vLLM's production-metrics documentation: the V1 engine's (`vllm:kv_cache_usage_perc`,
+`vllm:prefix_cache_queries_total` / `_hits_total`, ...) and the V0 engine's older ones
+(`vllm:gpu_cache_usage_perc`, `vllm:num_requests_swapped`, `vllm:gpu_prefix_cache_hit_rate`), whichever
+the scrape has. `vllm:cache_config_info` (labels `block_size`, `num_gpu_blocks`, `cache_dtype`,
+`enable_prefix_caching`) gives the pool when present; `/v1/models` gives `max_model_len`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvops.adapters.common import fill_blocks, finish_from_process, histogram_json, neutral_for, ratio, read_requests
+from kvops.adapters.prometheus import Scrape
+from kvops.snapshot import Snapshot
+
+
+def _int_label(scrape: Scrape, name: str, label: str) -> int | None:
+    raw = scrape.label(name, label)
+    try:
+        return int(float(raw)) if raw not in (None, "", "None") else None
+    except ValueError:
+        return None
+
+
+def snapshot_from_vllm(scrape: Scrape, t: float, model_card: dict[str, Any] | None = None,
+                       started_at: float | None = None) -> Snapshot:
+    card = model_card or {}
+    data = neutral_for("vllm", scrape, t, model_card, "vllm:num_requests_running")
+    unknown: list[str] = data["unknown"]
+    engine, prefix = data["engine"], data["prefix_cache"]
+
+    config = "vllm:cache_config_info"
+    if scrape.has(config):
+        engine["kv_cache_dtype"] = scrape.label(config, "cache_dtype") or "unknown"
+        caching = scrape.label(config, "enable_prefix_caching")
+        if caching is not None:
+            engine["enable_prefix_caching"] = caching.lower() == "true"
+        else:
+            unknown.append("engine.enable_prefix_caching")
+    else:
+        unknown.extend(["engine.kv_cache_dtype", "engine.enable_prefix_caching"])
+    block_size = _int_label(scrape, config, "block_size")
+    usage = scrape.first("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+    fill_blocks(data, None if usage is None else scrape.mean(usage[0]),
+                _int_label(scrape, config, "num_gpu_blocks"), block_size)
+    if card.get("max_model_len"):
+        engine["max_model_len"] = int(card["max_model_len"])
+    else:
+        unknown.append("engine.max_model_len")
+    unknown.extend(["engine.max_num_seqs", "engine.max_num_batched_tokens", "engine.bytes_per_token",
+                    "engine.kv_cache_bytes", "engine.dtype", "engine.device"])
+
+    read_requests(data, scrape, {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
+                                 "finished_total": "vllm:request_success_total",
+                                 "preemptions_total": "vllm:num_preemptions_total",
+                                 "prompt_tokens_total": "vllm:prompt_tokens_total",
+                                 "generation_tokens_total": "vllm:generation_tokens_total"})
+    unknown.append("requests.aborted_total")
+
+    queries, hits = scrape.value("vllm:prefix_cache_queries_total"), scrape.value("vllm:prefix_cache_hits_total")
+    if queries is not None and hits is not None:
+        prefix.update(queries_total=round(queries), hits_total=round(hits), hit_rate=ratio(hits, queries))
+    else:
+        unknown.extend(["prefix_cache.queries_total", "prefix_cache.hits_total"])
+        v0_rate = scrape.mean("vllm:gpu_prefix_cache_hit_rate")  # V0: a rate without the counters behind it
+        if v0_rate is None or v0_rate < 0:  # -1: prefix caching disabled
+            unknown.append("prefix_cache.hit_rate")
+        else:
+            prefix["hit_rate"] = v0_rate
+    unknown.extend(["prefix_cache.window_hit_rate", "prefix_cache.evictions_total", "prefix_cache.normalization",
+                    "prefix_cache.shadow_hit_rate", "prefix_cache.potential_hit_rate"])
+
+    prompts = scrape.histogram("vllm:request_prompt_tokens")
+    data["prompt_lengths"] = histogram_json(prompts)
+    if prompts is None:
+        unknown.append("prompt_lengths")
+
+    swapped = scrape.value("vllm:num_requests_swapped")  # V0 only: V1 recomputes, it never swaps
+    if swapped is None:
+        unknown.append("swap")
+    else:
+        data["swap"] = {"preemption_mode": "swap", "swapped_seqs": round(swapped)}
+        unknown.extend(["swap.window", "swap.swap_out_total", "swap.swap_in_total"])
+    return finish_from_process(data, scrape, started_at)

@@ -1,0 +1,327 @@
+"""Cache health: the rules catalog run over the few snapshots doctor takes, each diagnosis turned into a
+line with its evidence and the remedy for this kind of server.
+
+Doctor has seconds, not the supervisor's hour of history. Counters are cumulative since the engine
+started, so the history doctor hands the rules starts with a baseline at the engine's start (counters
+zero, gauges as first seen): counter deltas then cover the whole run, and gauges show no invented trend.
+The rules' windows are set to that span; their thresholds are untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from kvops.diagnosis import Diagnosis, Severity
+from kvops.doctor.report import Check, Status
+from kvops.history import EngineHistory
+from kvops.reports import KVQuantProfile
+from kvops.rules import RULES, evaluate_all, kv_oom_runtime, prompt_variance
+from kvops.rules.common import reclaimable_blocks
+from kvops.snapshot import Snapshot, TenantStats
+
+SECTION = "Cache health"
+ENGINE = "doctor"
+
+# The long-prompt flood has no rule (the supervisor sees it through tenant pollution and OOM risk): doctor's
+# own reading of the prompt-length histogram. A flood: the slowest 1% of prompts at least FLOOD_RATIO times
+# the median, holding at least FLOOD_TOKEN_SHARE of all prompt tokens, over at least FLOOD_MIN_PROMPTS.
+FLOOD_RATIO = 8.0
+FLOOD_TOKEN_SHARE = 0.5
+FLOOD_MIN_PROMPTS = 50
+
+SEVERITY_STATUS = {Severity.CRITICAL: Status.FAIL, Severity.WARNING: Status.WARN, Severity.INFO: Status.INFO}
+
+EXTERNAL_CAPACITY = {
+    "vllm": "lower --max-num-seqs (requests queue instead of preempting each other) or raise "
+            "--gpu-memory-utilization for a larger KV pool",
+    "sglang": "lower --max-running-requests or raise --mem-fraction-static for a larger KV pool",
+}
+EXTERNAL_REMEDIES: dict[str, dict[str, str]] = {
+    "kv_oom_runtime": EXTERNAL_CAPACITY,
+    "swap_storm": EXTERNAL_CAPACITY,
+    "kv_oom_start": EXTERNAL_CAPACITY,
+    "prompt_variance": {
+        source: "make shared prompt prefixes byte-identical (no timestamps, request ids or stray whitespace "
+                "before the shared part); kvops's prompt normalization needs a kvops engine"
+        for source in ("vllm", "sglang")},
+    "prefix_caching_off": {"vllm": "restart with --enable-prefix-caching",
+                           "sglang": "restart without --disable-radix-cache"},
+}
+
+
+def _baseline(first: Snapshot) -> Snapshot:
+    """The engine at its start: every cumulative counter zero, gauges as first seen."""
+    data = first.model_dump()
+    data["time"] = first.time - first.uptime_s
+    data["uptime_s"] = 0.0
+    prefix = data["prefix_cache"]
+    for key in ("queries_total", "hits_total", "evictions_total", "shadow_queries_total", "shadow_hits_total",
+                "potential_queries_total", "potential_hits_total"):
+        prefix[key] = 0
+    for key in ("finished_total", "aborted_total", "preemptions_total", "prompt_tokens_total",
+                "generation_tokens_total"):
+        data["requests"][key] = 0
+    for key in ("swap_out_total", "swap_in_total", "swap_in_reused_total", "swap_preemptions_total",
+                "swap_fallbacks_total"):
+        data["swap"][key] = 0
+    data["tenants"] = {
+        name: TenantStats(blocks_held=t["blocks_held"], quota_blocks=t["quota_blocks"],
+                          cache_salt=t["cache_salt"]).model_dump()
+        for name, t in data["tenants"].items()}
+    data["steps"] = []
+    return Snapshot.model_validate(data)
+
+
+def _settings(span: float) -> dict[str, BaseModel]:
+    """Each rule's defaults with its window stretched over the run (and the fewest samples it allows)."""
+    out: dict[str, BaseModel] = {}
+    for rule_id, rule in RULES.items():
+        fields = rule.settings_type.model_fields
+        overrides: dict[str, Any] = {"window_s": span} if "window_s" in fields else {}
+        for samples in (2, 3):
+            if "min_samples" in fields:
+                overrides["min_samples"] = samples
+            try:
+                out[rule_id] = rule.settings_type(**overrides)
+                break
+            except ValidationError:
+                continue
+    return out
+
+
+def evaluate(snaps: list[Snapshot],
+             kv_profile: KVQuantProfile | None = None) -> tuple[list[Diagnosis], EngineHistory]:
+    latest = snaps[-1]
+    history = EngineHistory(ENGINE, managed=False, full_rate_s=1e12, max_age_s=1e12)
+    baseline = _baseline(snaps[0])
+    for snap in (baseline, *snaps):
+        history.add(snap)
+    history.kv_profile = kv_profile
+    span = max(1.0, latest.time - baseline.time + 1.0)
+    return evaluate_all(history, _settings(span), latest.time), history
+
+
+def remedy(diagnosis: Diagnosis, source: str) -> str:
+    if source == "kvops":
+        if diagnosis.fix is None:
+            return ""
+        how = " (kvops run applies it with policy auto)" if diagnosis.fix.kind != "report" else ""
+        return diagnosis.fix.description + how
+    text = EXTERNAL_REMEDIES.get(diagnosis.rule, {}).get(source)
+    if text:
+        return f"{text} (kvops cannot apply this itself: a {source} server has no kvops admin API)"
+    return diagnosis.fix.description if diagnosis.fix is not None and diagnosis.fix.kind == "report" else ""
+
+
+def _from_diagnosis(title: str, diagnosis: Diagnosis, source: str) -> Check:
+    detail = [f"rule {diagnosis.rule}: {diagnosis.title}"]
+    detail.extend(f"{key} = {value}" for key, value in diagnosis.evidence.items())
+    return Check(section=SECTION, title=title, status=SEVERITY_STATUS[diagnosis.severity],
+                 evidence=diagnosis.summary, remedy=remedy(diagnosis, source), detail=detail, rule=diagnosis.rule)
+
+
+def _pick(diagnoses: list[Diagnosis], *rules: str) -> list[Diagnosis]:
+    return [d for d in diagnoses if d.rule in rules]
+
+
+def cache_checks(snaps: list[Snapshot], kv_profile: KVQuantProfile | None = None,
+                 kv_profile_why_not: str = "") -> list[Check]:
+    latest = snaps[-1]
+    diagnoses, _ = evaluate(snaps, kv_profile)
+    source = latest.source
+    checks = [
+        _usage(latest, snaps, _pick(diagnoses, kv_oom_runtime.RULE_ID), source),
+        _preemptions(latest, _pick(diagnoses, kv_oom_runtime.RULE_ID), len(snaps), source),
+        *_hit_rate(latest, _pick(diagnoses, "prompt_variance", "prefix_caching_off"), source),
+        _swap(latest, _pick(diagnoses, "swap_storm"), source),
+        _prompt_lengths(latest),
+        *_tenants(latest, _pick(diagnoses, "tenant_pollution"), source),
+        _kv_quant(latest, _pick(diagnoses, "kv_quant_error"), kv_profile, kv_profile_why_not, source),
+    ]
+    shown = {"kv_oom_runtime", "prompt_variance", "prefix_caching_off", "swap_storm", "tenant_pollution",
+             "kv_quant_error", "kv_oom_start"}  # kv_oom_start: Configuration's maximum concurrency line
+    for diagnosis in diagnoses:
+        if diagnosis.rule not in shown:
+            checks.append(_from_diagnosis(diagnosis.title, diagnosis, source))
+    return checks
+
+
+def _unknown(title: str, snap: Snapshot, what: str) -> Check:
+    return Check(section=SECTION, title=title, status=Status.SKIPPED, evidence=f"{snap.source} does not report {what}")
+
+
+def _usage(latest: Snapshot, snaps: list[Snapshot], found: list[Diagnosis], source: str) -> Check:
+    if not latest.knows("blocks"):
+        return _unknown("KV cache usage", latest, "KV cache usage")
+    usage = latest.blocks.usage
+    reclaimable = reclaimable_blocks(latest) / latest.engine.num_blocks if latest.engine.num_blocks else 0.0
+    trend = ""
+    if len(snaps) >= 2 and snaps[-1].time > snaps[0].time:
+        slope = (snaps[-1].blocks.usage - snaps[0].blocks.usage) / (snaps[-1].time - snaps[0].time)
+        trend = f", trend {slope * 100:+.2f} points/s over {snaps[-1].time - snaps[0].time:.0f} s"
+    pool = (f" of {latest.engine.num_blocks} blocks" if latest.knows("engine.num_blocks") else "")
+    evidence = f"{usage:.1%} in use{pool}, {reclaimable:.1%} reclaimable{trend}"
+    if found:
+        check = _from_diagnosis("KV cache usage", found[0], source)
+        check.evidence = f"{found[0].summary} ({evidence})"
+        return check
+    settings = kv_oom_runtime.Settings()
+    if len(snaps) < 2 and reclaimable <= settings.exhausted_fraction and latest.requests.preemptions_total > 0:
+        # One scrape: the rule needs a trend; an exhausted pool with preemptions needs none.
+        return Check(section=SECTION, title="KV cache usage", status=Status.FAIL,
+                     evidence=f"pool exhausted: {evidence}, {latest.requests.preemptions_total} preemptions so far",
+                     remedy=_capacity_remedy(latest), rule=kv_oom_runtime.RULE_ID)
+    return Check(section=SECTION, title="KV cache usage", status=Status.OK, evidence=evidence)
+
+
+def _capacity_remedy(latest: Snapshot) -> str:
+    if latest.source == "kvops":
+        return "restart with a lower --max-num-seqs or a larger --kv-cache-memory (kvops run sizes it: kv_oom_runtime)"
+    return EXTERNAL_CAPACITY.get(latest.source, "")
+
+
+def _preemptions(latest: Snapshot, found: list[Diagnosis], samples: int, source: str) -> Check:
+    if not latest.knows("requests.preemptions_total"):
+        return _unknown("Preemptions", latest, "preemptions (SGLang retracts requests without a counter)")
+    total = latest.requests.preemptions_total
+    per_s = total / latest.uptime_s if latest.uptime_s > 0 else 0.0
+    since = "since start" if latest.knows("uptime_s") else "over the scrape's assumed hour (no process start time)"
+    evidence = f"{total} in total, {per_s:.2f}/s {since}"
+    rising = [d for d in found if (d.evidence.get("preemptions_per_s_recent") or 0) > 0]
+    if rising:
+        check = _from_diagnosis("Preemptions", rising[0], source)
+        check.evidence = f"{evidence}; {rising[0].summary}"
+        return check
+    threshold = kv_oom_runtime.Settings().min_preemptions_per_s
+    if samples < 2 and per_s >= threshold:
+        return Check(section=SECTION, title="Preemptions", status=Status.WARN,
+                     evidence=f"{evidence} (at least {threshold:g}/s: sequences are evicted and recomputed)",
+                     remedy=_capacity_remedy(latest), rule=kv_oom_runtime.RULE_ID)
+    return Check(section=SECTION, title="Preemptions", status=Status.OK, evidence=evidence)
+
+
+def _hit_rate(latest: Snapshot, found: list[Diagnosis], source: str) -> list[Check]:
+    prefix = latest.prefix_cache
+    title = "Prefix cache hit rate"
+    if found:
+        checks = [_from_diagnosis(title, d, source) for d in found]
+        for check, diagnosis in zip(checks, found, strict=True):
+            if source != "kvops" and diagnosis.rule == "prompt_variance":
+                # The rule's summary proposes kvops's shadow normalization, which these servers lack.
+                evidence = diagnosis.evidence
+                check.evidence = (f"low: the prefix cache hits {evidence['hit_rate']:.1%} of "
+                                  f"{evidence['queried_tokens']} prompt tokens over {evidence['requests']} requests")
+        return checks
+    if not latest.knows("prefix_cache.queries_total"):
+        if not latest.knows("prefix_cache.hit_rate"):
+            return [_unknown(title, latest, "prefix-cache hits")]
+        low = prompt_variance.Settings().shadow_probe_max_hit_rate
+        status = Status.INFO if prefix.hit_rate <= low else Status.OK
+        return [Check(section=SECTION, title=title, status=status,
+                      evidence=f"{prefix.hit_rate:.1%} (the server's own recent rate; no counters to check it over "
+                               "the run)" + (f", at most {low:.0%}: low" if status is Status.INFO else ""),
+                      remedy=EXTERNAL_REMEDIES["prompt_variance"].get(source, "") if status is Status.INFO else "")]
+    if not latest.engine.enable_prefix_caching and latest.knows("engine.enable_prefix_caching"):
+        would = (f"; caching would have served {prefix.potential_hit_rate:.1%}" if source == "kvops" else "")
+        return [Check(section=SECTION, title=title, status=Status.INFO, evidence=f"prefix caching is off{would}")]
+    evidence = f"{prefix.hit_rate:.1%} of {prefix.queries_total} prompt tokens"
+    detail = []
+    if prefix.normalization == "shadow" and prefix.shadow_queries_total:
+        gain = prefix.shadow_hit_rate - prefix.hit_rate
+        evidence += f"; normalized prompts would hit {prefix.shadow_hit_rate:.1%} (+{gain:.1%})"
+    elif source == "kvops" and latest.knows("prefix_cache.normalization"):
+        detail.append(f"normalization {prefix.normalization}: shadow mode measures what it would add "
+                      "(PUT /admin/normalization {\"mode\": \"shadow\"})")
+    return [Check(section=SECTION, title=title, status=Status.OK, evidence=evidence, detail=detail)]
+
+
+def _swap(latest: Snapshot, found: list[Diagnosis], source: str) -> Check:
+    if found:
+        return _from_diagnosis("Swap", found[0], source)
+    if not latest.knows("swap"):
+        why = "swap (V1 recomputes preempted requests instead)" if source == "vllm" else "swap"
+        return _unknown("Swap", latest, why)
+    swap = latest.swap
+    if swap.host_blocks == 0 and swap.swapped_seqs == 0 and latest.knows("swap.swap_out_total"):
+        return Check(section=SECTION, title="Swap", status=Status.OK,
+                     evidence="no host swap pool: preempted sequences are recomputed")
+    if not latest.knows("swap.window"):
+        return Check(section=SECTION, title="Swap", status=Status.OK,
+                     evidence=f"{swap.swapped_seqs} sequence(s) swapped out now (no swap rate in the scrape)")
+    window = swap.window
+    return Check(section=SECTION, title="Swap", status=Status.OK,
+                 evidence=f"swap rate {window.swap_rate:.2f} ({window.swap_out_per_s:.1f} blocks/s out, "
+                          f"{window.swap_in_per_s:.1f} in), {swap.swapped_blocks} of {swap.host_blocks} host "
+                          "blocks used")
+
+
+def _prompt_lengths(latest: Snapshot) -> Check:
+    title = "Prompt lengths"
+    hist = latest.prompt_lengths
+    if not latest.knows("prompt_lengths"):
+        return _unknown(title, latest, "a prompt-length histogram")
+    if hist.count == 0 or hist.p50 is None or hist.p99 is None:
+        return Check(section=SECTION, title=title, status=Status.SKIPPED, evidence="no finished request yet")
+    evidence = f"p50 {hist.p50:.0f}, p95 {hist.p95:.0f}, p99 {hist.p99:.0f} tokens over {hist.count} requests"
+    # Token share of prompts well above the median: bucket midpoints (the histogram has no raw values).
+    long_from = 4 * hist.p50
+    long_tokens = 0.0
+    lower = 0.0
+    for index, count in enumerate(hist.counts):
+        upper = hist.buckets[index] if index < len(hist.buckets) else (hist.buckets[-1] if hist.buckets else 0.0)
+        if lower >= long_from:
+            long_tokens += count * (lower + upper) / 2
+        lower = upper
+    share = min(1.0, long_tokens / hist.sum) if hist.sum > 0 else 0.0
+    ratio = hist.p99 / hist.p50 if hist.p50 > 0 else 0.0
+    detail = [f"prompts of {long_from:.0f}+ tokens (4× the median) carry ~{share:.0%} of prompt tokens",
+              f"buckets {hist.buckets}", f"counts {hist.counts}"]
+    if hist.count >= FLOOD_MIN_PROMPTS and ratio >= FLOOD_RATIO and share >= FLOOD_TOKEN_SHARE:
+        return Check(section=SECTION, title=title, status=Status.WARN,
+                     evidence=f"long-prompt flood: {evidence}; the longest 1% are {ratio:.0f}× the median and "
+                              f"carry ~{share:.0%} of prompt tokens",
+                     remedy="cap them (--max-model-len), give the tenant sending them a quota (kvops: PUT "
+                            "/admin/tenants/NAME {\"quota_blocks\": N}), or route long prompts to their own engine",
+                     detail=detail)
+    return Check(section=SECTION, title=title, status=Status.OK, evidence=evidence, detail=detail)
+
+
+def _tenants(latest: Snapshot, found: list[Diagnosis], source: str) -> list[Check]:
+    if not latest.knows("tenants"):
+        return [_unknown("Tenants", latest, "per-tenant usage")]
+    if found:
+        return [_from_diagnosis(f"Tenant {d.subject}", d, source) for d in found]
+    tenants = latest.tenants
+    detail = [f"{name}: {t.requests_total} requests, hit rate {t.hit_rate:.1%}, {t.blocks_held} blocks held, "
+              f"evictions caused {t.evictions_caused} / suffered {t.evictions_suffered}" for name, t in tenants.items()]
+    return [Check(section=SECTION, title="Tenants", status=Status.OK,
+                  evidence=f"{len(tenants)} tenant(s), none evicting the others' cached blocks", detail=detail)]
+
+
+def _kv_quant(latest: Snapshot, found: list[Diagnosis], profile: KVQuantProfile | None, why_not: str,
+              source: str) -> Check:
+    title = "KV quantization error"
+    if found:
+        return _from_diagnosis(title, found[0], source)
+    engine = latest.engine
+    if source == "kvops" and engine.kv_cache_dtype == engine.dtype and profile is None and not why_not:
+        return Check(section=SECTION, title=title, status=Status.OK,
+                     evidence=f"KV stored in the model dtype ({engine.dtype}): nothing is quantized",
+                     detail=["`--kv-quant` still profiles another dtype's error on request"])
+    if profile is None and source != "kvops":
+        return _unknown(title, latest, "a per-layer KV quantization error profile")
+    if profile is None:
+        return Check(section=SECTION, title=title, status=Status.SKIPPED, evidence=why_not or "not profiled",
+                     remedy="kvops doctor --kv-quant (pauses serving for a few seconds)" if not why_not else "")
+    worst = min(profile.layers, key=lambda layer: layer.min_cosine, default=None)
+    evidence = (f"{profile.kv_cache_dtype}: worst layer {worst.layer} at cosine {worst.min_cosine:.4f} "
+                f"(threshold {profile.threshold})" if worst else f"{profile.kv_cache_dtype}: no layer profiled")
+    if profile.flagged and profile.kv_cache_dtype != engine.kv_cache_dtype:
+        return Check(section=SECTION, title=title, status=Status.INFO,
+                     evidence=f"{evidence}; if you switch to {profile.kv_cache_dtype}, keep layers "
+                              f"{','.join(map(str, profile.flagged))} in the model dtype",
+                     remedy=f"--kv-cache-dtype-skip-layers {','.join(map(str, profile.flagged))}")
+    return Check(section=SECTION, title=title, status=Status.OK, evidence=evidence,
+                 detail=[f"layer {layer.layer} ({layer.kv_dtype}): {layer.min_cosine:.4f}" for layer in profile.layers])

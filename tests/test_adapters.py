@@ -1,0 +1,169 @@
+"""vLLM, SGLang and kvops `/metrics` texts (written from their documented names and types; the kvops one
+captured from the real engine) read into the one snapshot, and the rules reading them without misfiring."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from kvops.adapters import Scrape, WatchedEngineClient, detect_flavour, snapshot_from_scrape
+from kvops.config import parse_config
+from kvops.doctor.cache import evaluate
+from kvops.engine.errors import ConfigError
+from kvops.engine_client import EngineUnreachable
+
+FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
+T = 1_750_000_000.0  # the fixtures' processes started an hour before this
+
+
+def scrape(name: str) -> Scrape:
+    return Scrape.parse((FIXTURES / name).read_text())
+
+
+@pytest.mark.parametrize(("name", "flavour"), [("vllm_v1.txt", "vllm"), ("vllm_v0.txt", "vllm"),
+                                               ("sglang.txt", "sglang"), ("kvops.txt", "kvops")])
+def test_flavour_is_recognised_from_metric_names(name, flavour):
+    assert detect_flavour(scrape(name)) == flavour
+
+
+def test_flavour_from_v1_models_when_metrics_say_nothing():
+    assert detect_flavour(Scrape(), {"data": [{"id": "m", "owned_by": "vllm"}]}) == "vllm"
+    assert detect_flavour(Scrape(), {"data": [{"id": "m", "owned_by": "sglang"}]}) == "sglang"
+    assert detect_flavour(Scrape(), None) is None
+
+
+def test_vllm_v1_fills_usage_prefix_counters_preemptions_and_prompt_histogram():
+    snap = snapshot_from_scrape("vllm", scrape("vllm_v1.txt"), T, {"data": [{"id": "llama", "max_model_len": 32768}]})
+    assert snap.source == "vllm"
+    assert snap.engine.model == "llama" and snap.engine.max_model_len == 32768
+    assert snap.engine.num_blocks == 27000 and snap.engine.block_size == 16  # vllm:cache_config_info
+    assert snap.blocks.usage == pytest.approx(0.985)
+    assert snap.blocks.counts["full"] + snap.blocks.counts["free"] == 27000
+    assert (snap.prefix_cache.queries_total, snap.prefix_cache.hits_total) == (5_100_000, 153_000)
+    assert snap.requests.preemptions_total == 1843 and snap.requests.finished_total == 5000
+    assert snap.requests.running == 48 and snap.requests.waiting == 37
+    assert snap.prompt_lengths.count == 5000 and snap.prompt_lengths.p99 > 10 * snap.prompt_lengths.p50
+    assert snap.uptime_s == pytest.approx(3600.0)  # process_start_time_seconds
+    for gap in ("swap", "tenants", "steps", "engine.bytes_per_token", "engine.max_num_seqs"):
+        assert not snap.knows(gap)
+    assert not snap.knows("swap.window.swap_rate") and snap.knows("prefix_cache.queries_total")
+
+
+def test_vllm_v0_reads_the_older_names():
+    snap = snapshot_from_scrape("vllm", scrape("vllm_v0.txt"), T)
+    assert snap.blocks.usage == pytest.approx(0.42)  # vllm:gpu_cache_usage_perc
+    assert snap.swap.swapped_seqs == 3  # vllm:num_requests_swapped
+    assert snap.engine.enable_prefix_caching is False
+    assert not snap.knows("prefix_cache.hit_rate")  # -1: caching disabled, not a hit rate
+    assert not snap.knows("engine.max_model_len")  # offline: no /v1/models
+
+
+def test_sglang_usage_queue_and_gauge_hit_rate():
+    snap = snapshot_from_scrape("sglang", scrape("sglang.txt"), T)
+    assert snap.source == "sglang"
+    assert snap.blocks.usage == pytest.approx(0.28)
+    assert (snap.requests.running, snap.requests.waiting) == (162, 2826)
+    assert snap.prefix_cache.hit_rate == pytest.approx(0.0075, abs=1e-4)
+    assert not snap.knows("prefix_cache.queries_total")  # a gauge, no counters behind it
+    assert not snap.knows("requests.preemptions_total") and not snap.knows("engine.num_blocks")
+
+
+def test_kvops_scrape_round_trips_the_engine_numbers():
+    snap = snapshot_from_scrape("kvops", scrape("kvops.txt"), T)
+    assert snap.engine.model == "SmolLM2-135M-Instruct"
+    assert snap.engine.num_blocks == sum(v for k, v in snap.blocks.counts.items() if k != "swapped")
+    assert snap.engine.bytes_per_token == 46080 and snap.engine.max_model_len == 1024
+    assert snap.knows("tenants") and not snap.knows("steps")
+
+
+def test_truncated_scrape_keeps_what_parses_and_marks_the_rest():
+    parsed = scrape("vllm_truncated.txt")
+    assert len(parsed.damaged_lines) == 1
+    snap = snapshot_from_scrape("vllm", parsed, T)
+    assert snap.blocks.usage == pytest.approx(0.985)
+    assert not snap.knows("prompt_lengths") and not snap.knows("engine.num_blocks")
+
+
+@pytest.mark.parametrize("name", ["vllm_v1.txt", "vllm_v0.txt", "sglang.txt", "vllm_truncated.txt"])
+def test_rules_never_fire_on_what_a_server_does_not_report(name):
+    flavour = detect_flavour(scrape(name))
+    snap = snapshot_from_scrape(flavour, scrape(name), T)
+    fired = {d.rule for d in evaluate([snap])[0]}
+    # Nothing about swap, tenants, quantization, block sizes, the host or the engine's own config.
+    assert not fired & {"swap_storm", "tenant_pollution", "kv_quant_error", "block_size_mismatch", "host_bound",
+                        "kv_oom_start", "engine_down", "crash_loop"}
+
+
+def test_low_hit_rate_on_vllm_is_diagnosed_by_the_prompt_variance_rule():
+    snap = snapshot_from_scrape("vllm", scrape("vllm_v1.txt"), T)
+    diagnoses = evaluate([snap])[0]
+    assert [d.rule for d in diagnoses if d.rule == "prompt_variance"] == ["prompt_variance"]
+
+
+def test_engine_kind_in_the_config():
+    config = parse_config({"engines": [{"name": "v", "url": "http://10.0.0.5:8000", "kind": "vllm"}]}, "t")
+    assert config.engines[0].kind == "vllm" and not config.engines[0].managed
+    assert parse_config({"engines": [{"name": "w", "url": "http://10.0.0.5:8000"}]}, "t").engines[0].kind == "auto"
+    with pytest.raises(ConfigError, match="kvops manages only kvops engines"):
+        parse_config({"engines": [{"name": "m", "kind": "sglang"}]}, "t")
+    with pytest.raises(ConfigError, match="kind"):
+        parse_config({"engines": [{"name": "x", "url": "http://h:1", "kind": "tgi"}]}, "t")
+
+
+class FakeVLLM(BaseHTTPRequestHandler):
+    """A vLLM server as kvops sees it: /health (empty 200), /v1/models, /metrics from the V1 fixture."""
+
+    def do_GET(self) -> None:
+        routes = {"/health": ("", "text/plain"),
+                  "/v1/models": (json.dumps({"object": "list", "data": [{"id": "llama", "owned_by": "vllm",
+                                                                         "max_model_len": 32768}]}),
+                                 "application/json"),
+                  "/metrics": ((FIXTURES / "vllm_v1.txt").read_text(), "text/plain; version=0.0.4")}
+        body, kind = routes.get(self.path, ("not found", "text/plain"))
+        self.send_response(200 if self.path in routes else 404)
+        self.send_header("Content-Type", kind)
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_vllm() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeVLLM)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_watched_client_detects_vllm_and_refuses_admin_fixes(fake_vllm):
+    client = WatchedEngineClient(fake_vllm, "auto")
+    snap = client.snapshot()
+    assert client.flavour == "vllm" and snap.source == "vllm" and snap.engine.max_model_len == 32768
+    assert client.health() == {"status": "ok"}
+    with pytest.raises(EngineUnreachable, match="vllm server does not have"):
+        client.admin("set_normalization", {"mode": "on"})
+    client.close()
+
+
+def test_supervisor_watches_a_vllm_server(fake_vllm, tmp_path):
+    from kvops.supervisor import Supervisor
+
+    config = parse_config({"supervisor": {"state_dir": str(tmp_path), "listen": "127.0.0.1:0"},
+                           "engines": [{"name": "vllm", "url": fake_vllm}]}, "test")
+    supervisor = Supervisor(config)
+    try:
+        supervisor.poll_once()
+        state = supervisor.engines["vllm"]
+        assert state.history.latest is not None and state.history.latest.source == "vllm"
+        assert state.history.is_up
+    finally:
+        for engine in supervisor.engines.values():
+            engine.client.close()
