@@ -209,3 +209,26 @@ def test_unusable_scrape_exits_2_without_a_traceback(tmp_path, content, words):
     result = doctor("--metrics-file", str(path))
     assert result.returncode == 2 and "Traceback" not in result.stderr + result.stdout
     assert words in result.stdout
+
+
+def test_plain_doctor_finds_the_engine_a_local_supervisor_runs(tmp_path, monkeypatch, capsys):
+    from waiting import wait_for
+
+    from kvops.doctor import run as doctor_run
+    from kvops.top.embedded import EmbeddedSupervisor
+
+    supervisor = EmbeddedSupervisor([], state_dir=tmp_path)  # `kvops run`, its engine on a port of its choosing
+    supervisor.start()
+    try:
+        engine = wait_for("the managed engine", lambda: [e for e in httpx.get(
+            f"{supervisor.url}/api/engines", timeout=2).json() if e["up"] and e["snapshot_time"]], 180,
+            (supervisor.process,))[0]
+        monkeypatch.setattr(doctor_run, "SUPERVISOR_URL", supervisor.url)  # instead of the default 127.0.0.1:9400
+        code = doctor_run.main(["--json"])
+        report = json.loads(capsys.readouterr().out)
+    finally:
+        supervisor.stop()
+    found = check(report, "Supervisor")
+    assert found["status"] == "info" and f"checking default at {engine['url']}" in found["evidence"]
+    assert check(report, "Health")["status"] == "ok"
+    assert code == report["exit_code"] and code in (0, 1)

@@ -137,12 +137,11 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def _serve_requests(engine: str) -> None:
+def _serve_requests(engine: str, questions: list[str]) -> None:
     """Two tenants, each sending prompts that share a long prefix: hits, tenants, TTFT and ITL get data."""
     model = httpx.get(f"{engine}/v1/models", timeout=10).json()["data"][0]["id"]
     prefix = ("You are a terse assistant for a hardware store. Answer in one short sentence, and never "
               "apologize. Question: ")
-    questions = ["How do I cut copper pipe?", "Which glue holds wood?", "What size is a standard nail?"]
 
     def one(tenant: str, question: str) -> None:
         response = httpx.post(f"{engine}/v1/completions", timeout=120, json={
@@ -229,7 +228,20 @@ max_backoff_s = 2
                   all_procs)
         _wait("the managed engine", s.engine_pid, 120, all_procs)
         s.engine = httpx.get(f"{s.supervisor}/api/engines", timeout=5).json()[0]["url"]
-        _serve_requests(s.engine)
+
+        def engine_scraped() -> bool:
+            # Found through the supervisor's service discovery and scraped once before any request, so
+            # that rates see the counters move (a first scrape after the requests would give 0 / 0).
+            targets = httpx.get(f"{s.prometheus}/api/v1/targets", timeout=5).json()["data"]["activeTargets"]
+            return any(t["labels"].get("job") == "kvops-engine" and t["labels"].get("engine") == "default"
+                       and t["health"] == "up" for t in targets)
+        _wait("Prometheus to discover and scrape the engine", engine_scraped, 60, all_procs)
+        # Two waves with a scrape between them: the per-tenant series appear with the first request, and
+        # a rate needs two samples of a series that moved in between.
+        _serve_requests(s.engine, ["How do I cut copper pipe?"])
+        _wait("the first requests' series in the TSDB", lambda: s.query(
+            'sum(kvops_time_to_first_token_seconds_count{engine="default"})')["data"]["result"], 30, all_procs)
+        _serve_requests(s.engine, ["Which glue holds wood?", "What size is a standard nail?"])
 
         def scraped() -> bool:
             # Both targets up, and the requests' histograms and the supervisor's view already in the TSDB.

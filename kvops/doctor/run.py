@@ -23,6 +23,7 @@ from kvops.reports import BlockSizeProfile, KVQuantProfile
 from kvops.snapshot import Snapshot
 
 LOCAL_URL = "http://127.0.0.1:8000"  # `kvops engine serve`'s default address
+SUPERVISOR_URL = "http://127.0.0.1:9400"  # `kvops run`'s default address: its engines are local ones too
 LOCAL_CONFIG = "kvops.toml"
 SAMPLES = 3
 SAMPLE_INTERVAL_S = 1.0
@@ -78,8 +79,25 @@ def diagnose(args: argparse.Namespace) -> Report:
     report = Report(target="this machine" + (f", {LOCAL_CONFIG}" if Path(LOCAL_CONFIG).is_file() else ""))
     _environment(report)
     _static(report, LOCAL_CONFIG if Path(LOCAL_CONFIG).is_file() else None)
-    _engine(report, LOCAL_URL, args, local=True)
+    _engine(report, _local_engine(report, args.timeout), args, local=True)
     return report
+
+
+def _local_engine(report: Report, timeout_s: float) -> str:
+    """The engine a plain `kvops doctor` examines: the first one a local supervisor runs (a managed
+    engine's port is picked at start), else `kvops engine serve`'s default address."""
+    try:
+        answer = httpx.get(f"{SUPERVISOR_URL}/api/engines", timeout=min(timeout_s, 2.0)).json()
+        engines = [(str(e["name"]), str(e["url"])) for e in answer if isinstance(e, dict) and e.get("url")]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return LOCAL_URL
+    if not engines:
+        return LOCAL_URL
+    (name, url), others = engines[0], engines[1:]
+    report.add(Check(section="Liveness", title="Supervisor", status=Status.INFO,
+                     evidence=f"kvops run at {SUPERVISOR_URL} runs {len(engines)} engine(s); checking {name} at {url}",
+                     remedy="; ".join(f"kvops doctor --url {u} ({n})" for n, u in others)))
+    return url
 
 
 # ------------------------------------------------------------------- targets
