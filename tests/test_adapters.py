@@ -167,3 +167,37 @@ def test_supervisor_watches_a_vllm_server(fake_vllm, tmp_path):
     finally:
         for engine in supervisor.engines.values():
             engine.client.close()
+
+
+def test_kvops_run_and_top_watch_a_vllm_server(fake_vllm, tmp_path):
+    """The whole path a user takes: `kvops run --engine-url` on a vLLM server, `kvops top --once/--json`."""
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+    from waiting import wait_for
+
+    from kvops.managed_engine import free_port
+
+    listen = f"127.0.0.1:{free_port('127.0.0.1')}"
+    env = {k: v for k, v in os.environ.items() if k != "KVOPS_ADMIN_TOKEN"}
+    daemon = subprocess.Popen([sys.executable, "-m", "kvops", "run", "--no-managed", "--engine-url", fake_vllm,
+                               "--listen", listen, "--state-dir", str(tmp_path)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    try:
+        wait_for("a snapshot of the vLLM server", lambda: httpx.get(
+            f"http://{listen}/api/engines", timeout=2).json()[0]["snapshot_time"], 60, (daemon,))
+
+        def top(*flags: str) -> str:
+            result = subprocess.run([sys.executable, "-m", "kvops", "top", "--attach", f"http://{listen}", *flags],
+                                    capture_output=True, text=True, timeout=60, env=env)
+            assert result.returncode == 0, result.stderr
+            return result.stdout
+
+        assert "watched-0  [up]" in top("--once")
+        snap = json.loads(top("--json"))["watched-0"]
+        assert snap["source"] == "vllm" and snap["engine"]["max_model_len"] == 32768
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=30)
