@@ -162,8 +162,15 @@ def test_healthy_engine_is_clean_and_the_profiles_say_they_need_the_token(engine
 
 def test_with_the_token_block_size_is_measured_on_this_device(engine):
     result = doctor("--url", engine, "--admin-token", TOKEN, "-v")
-    assert result.returncode == 0, result.stdout
-    assert "[✓] Block size 16:" in result.stdout
+    assert "Traceback" not in result.stderr, result.stderr
+    line = next(line.strip() for line in result.stdout.splitlines() if "Block size 16:" in line)
+    # Measured, not skipped. On a shared CPU the step times are noisy: a candidate may come out
+    # clearly faster, and then doctor says so with the flag to change (a finding: exit 1).
+    if line.startswith("[✓]"):
+        assert result.returncode == 0, result.stdout
+    else:
+        assert line.startswith("[!]") and "restart with --block-size" in result.stdout, result.stdout
+        assert result.returncode == 1
     for candidate in ("8", "32", "64"):
         assert f"• {candidate}: " in result.stdout  # -v shows each candidate's timing
 
