@@ -49,7 +49,7 @@ class LogLine:
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Runs in the child before exec: the kernel sends SIGTERM when the supervisor dies."""
     with contextlib.suppress(OSError):  # not Linux: the supervisor's own shutdown path still stops the engine
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -109,7 +109,7 @@ class ManagedEngine:
             env = {**os.environ, "KVOPS_ADMIN_TOKEN": self.admin_token, "PYTHONUNBUFFERED": "1"}
             self.stderr_tail.clear()
             self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                                            preexec_fn=_die_with_parent)
+                                            preexec_fn=die_with_parent)
             self.started_at = self.clock()
             self.next_start_at = None
             log.info("engine started", engine=self.spec.name, pid=self.process.pid, url=self.url,

@@ -20,14 +20,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvops.managed_engine import free_port
+
 FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
 TOKEN = "doctor-test-token"
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def doctor(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -48,7 +45,7 @@ def check(report: dict, title: str) -> dict:
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[str]:
-    port = _free_port()
+    port = free_port('127.0.0.1')
     proc = subprocess.Popen([sys.executable, "-m", "kvops", "engine", "serve", "--port", str(port),
                              "--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--admin-token", TOKEN],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -69,7 +66,7 @@ def engine() -> Iterator[str]:
 
 
 def test_nothing_listening_says_how_to_start_it():
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     code, report = doctor_json("--url", url)
     assert code == 1
     listening = check(report, "Listening")
@@ -120,7 +117,8 @@ def test_health_that_never_answers_times_out_as_stuck():
 
 def test_engine_that_refuses_to_start_and_doctor_give_the_same_numbers(tmp_path):
     args = ["--kv-cache-memory", "16MiB", "--max-model-len", "8192"]
-    engine = subprocess.run([sys.executable, "-m", "kvops", "engine", "serve", "--port", str(_free_port()), *args],
+    port = str(free_port("127.0.0.1"))
+    engine = subprocess.run([sys.executable, "-m", "kvops", "engine", "serve", "--port", port, *args],
                             capture_output=True, text=True, timeout=180)
     assert engine.returncode == 2
     assert "the largest max_model_len that fits is 352" in engine.stderr

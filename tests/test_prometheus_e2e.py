@@ -14,7 +14,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,8 @@ import httpx
 import pytest
 import yaml
 from waiting import wait_for
+
+from kvops.managed_engine import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "alerts" / "kvops.rules.yml"
@@ -58,11 +59,6 @@ FINITE_PANELS = {"Time to first token", "Inter-token latency", "Prefix hit rate"
 TENANTS = ("alice", "bob")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
 
 def _wait(what: str, check: Callable[[], Any], timeout_s: float, procs: tuple[subprocess.Popen[bytes], ...] = ()
           ) -> Any:
@@ -73,7 +69,7 @@ class Webhook:
     """The receiver Alertmanager routes to: a plain HTTP server that keeps every payload."""
 
     def __init__(self) -> None:
-        self.port = _free_port()
+        self.port = free_port('127.0.0.1')
         self.url = f"http://127.0.0.1:{self.port}/alerts"
         self.payloads: list[dict[str, Any]] = []
         webhook = self
@@ -159,7 +155,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         # Alertmanager: everything to the webhook, quickly (group_wait 1 s), resolutions included.
-        am_port = _free_port()
+        am_port = free_port('127.0.0.1')
         (tmp / "alertmanager.yml").write_text(yaml.safe_dump({
             "route": {"receiver": "test-webhook", "group_by": ["alertname", "engine"], "group_wait": "1s",
                       "group_interval": "1s", "repeat_interval": "1h"},
@@ -172,7 +168,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         procs.append(alertmanager)
 
         # kvops run: one managed engine (Prometheus finds it through the supervisor), alerts pushed to Alertmanager.
-        sup_port = _free_port()
+        sup_port = free_port('127.0.0.1')
         (tmp / "kvops.toml").write_text(f"""
 [supervisor]
 listen = "127.0.0.1:{sup_port}"
@@ -203,7 +199,7 @@ max_backoff_s = 2
         procs.append(daemon)
 
         # Prometheus: the scrape config docs/observability.md documents, at 1 s instead of 15 s.
-        prom_port = _free_port()
+        prom_port = free_port('127.0.0.1')
         (tmp / "prometheus.yml").write_text(yaml.safe_dump({
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(RULES)],

@@ -233,7 +233,7 @@ class KvopsTop(App[None]):
         self.last_ok: float | None = None
         self._polling = False
         self._spin = 0
-        self._shown: dict[str, Any] = {}  # what each widget shows now (see _show)
+        self._shown: dict[str, Any] = {}  # what each table shows now (see _fill)
 
     # ----------------------------------------------------------- layout
 
@@ -365,10 +365,6 @@ class KvopsTop(App[None]):
         self._render_block_map()
         self._render_trends()
 
-    @staticmethod
-    def _show(widget: Readout, content: Text | str) -> None:
-        widget.show(content)
-
     def _fill(self, table: DataTable, rows: list[tuple[str, tuple[Any, ...]]]) -> None:
         """Replace a table's rows, keeping the cursor on the same row key when it is still there."""
         key = table.id or str(id(table))
@@ -402,17 +398,17 @@ class KvopsTop(App[None]):
         info = self.query_one("#engine-info", Readout)
         if self.state is None:
             what = self.starting or f"connecting to the supervisor at {self.source.url}"
-            self._show(info, Text(f"{self._spinner()} {what}…", style="yellow"))
+            info.show(Text(f"{self._spinner()} {what}…", style="yellow"))
             return
         view = self.engine
         if view is None:
-            self._show(info, "no engines")
+            info.show("no engines")
             return
         s = view.latest
         if s is None:
-            self._show(info, self._waiting_text(view))
+            info.show(self._waiting_text(view))
             return
-        self._show(info,
+        info.show(
             f"[b]{view.entry.name}[/b] {health(view)}  pid {view.entry.pid or '-'}\n"
             f"model {s.engine.model}\nblock size {s.engine.block_size}  KV dtype {s.engine.kv_cache_dtype}\n"
             f"capacity {capacity(s)}\nuptime {fmt_duration(s.uptime_s)}  restarts {view.entry.restarts}\n"
@@ -447,14 +443,14 @@ class KvopsTop(App[None]):
         widget = self.query_one("#block-map", Readout)
         legend_widget = self.query_one("#map-legend", Readout)
         if view is None or view.latest is None:
-            self._show(widget, "")
-            self._show(legend_widget, "")
+            widget.show("")
+            legend_widget.show("")
             return
         s = view.latest
         if not s.blocks.state_map:  # a vLLM or SGLang server read through kvops.adapters
-            self._show(widget, Text(f"a {s.source} server: its /metrics has no per-block states\n"
+            widget.show(Text(f"a {s.source} server: its /metrics has no per-block states\n"
                                     f"KV usage {fmt_pct(s.blocks.usage)}", style="dim"))
-            self._show(legend_widget, "")
+            legend_widget.show("")
             return
         width = max(1, widget.content_size.width or 40)
         host_line = bool(s.swap.host_state_map) and not self.map_by_tenant
@@ -462,8 +458,8 @@ class KvopsTop(App[None]):
         if self.map_by_tenant:
             owners = decode_block_map(s.blocks.owner_map) if s.blocks.owner_map else ""
             if not owners:
-                self._show(widget, Text("this engine reports no block owners (an older kvops engine)", style="dim"))
-                self._show(legend_widget, "")
+                widget.show(Text("this engine reports no block owners (an older kvops engine)", style="dim"))
+                legend_widget.show("")
                 return
             grid = block_map.layout_owners(owners, width, height)
             text = block_map.render_owner_rows(grid.rows)
@@ -476,9 +472,9 @@ class KvopsTop(App[None]):
                 host = block_map.layout(decode_block_map(s.swap.host_state_map), max(1, width - 6), 1)
                 text.append("\nhost  ")
                 text.append_text(block_map.render_rows(host.rows[:1]))
-        self._show(widget, text)
+        widget.show(text)
         legend.append(f"\n{grid.scale} ({grid.total_blocks} blocks)  usage {fmt_pct(s.blocks.usage)}", style="dim")
-        self._show(legend_widget, legend)
+        legend_widget.show(legend)
 
     def _render_trends(self) -> None:
         view = self.engine
@@ -496,10 +492,10 @@ class KvopsTop(App[None]):
             return f"{fmt_pct(last)} ↑{fmt_pct(top)}"
 
         for key, name in TRENDS:
-            self._show(self.query_one(f"#{key}-label", Readout), f"{name} {label(key, data[key])}")
+            self.query_one(f"#{key}-label", Readout).show(f"{name} {label(key, data[key])}")
             self.query_one(f"#spark-{key}", Sparkline).data = data[key]
         hist = self.query_one("#histogram", Readout)
-        self._show(hist, "prompt lengths\n" + "\n".join(histogram_lines(view.latest.prompt_lengths, width=16))
+        hist.show("prompt lengths\n" + "\n".join(histogram_lines(view.latest.prompt_lengths, width=16))
                     if view and view.latest else "")
 
     def _matches(self, *fields: str) -> bool:
@@ -539,14 +535,14 @@ class KvopsTop(App[None]):
         d = self.selected_diagnosis
         detail = self.query_one("#diagnosis-detail", Readout)
         if d is None:
-            self._show(detail, "")
+            detail.show("")
             return
         text = Text()
         text.append(f"{d.title}\n", style="bold")
         text.append("evidence: " + ", ".join(f"{k}={v}" for k, v in d.evidence.items()) + "\n")
         text.append(f"fix ({d.fix.kind.value}): {d.fix.description}  [f applies]" if d.fix else "no fix proposed",
                     style="green" if d.fix else "dim")
-        self._show(detail, text)
+        detail.show(text)
 
     def _render_audit(self) -> None:
         entries = list(reversed(self.state.audit)) if self.state else []
@@ -561,7 +557,7 @@ class KvopsTop(App[None]):
         widget = self.query_one("#log", Readout)
         view = self.engine
         if view is not None and not view.entry.managed and not (self.state and self.state.logs):
-            self._show(widget, Text(f"{view.entry.name} is watched, not managed: its log is wherever it was started",
+            widget.show(Text(f"{view.entry.name} is watched, not managed: its log is wherever it was started",
                                style="dim"))
             return
         lines = self.state.logs if self.state else []
@@ -572,7 +568,7 @@ class KvopsTop(App[None]):
                 text.append("\n")
             text.append(time.strftime("%H:%M:%S ", time.localtime(line.time)), style="dim")
             text.append(line.text, style=LOG_COLOURS.get(line.level, ""))
-        self._show(widget, text)
+        widget.show(text)
 
     def _update_titles(self) -> None:
         suffix = f" (filter: {self.filter_text})" if self.filter_text else ""

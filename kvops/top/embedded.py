@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import platformdirs
 
-from kvops.managed_engine import _die_with_parent, free_port
+from kvops.managed_engine import die_with_parent, free_port
 
 STOP_TIMEOUT_S = 40.0  # the supervisor drains its engine (up to its drain timeout) before exiting
 
@@ -57,7 +57,7 @@ class EmbeddedSupervisor:
         env = {**os.environ, "KVOPS_ADMIN_TOKEN": self.admin_token, "PYTHONUNBUFFERED": "1"}
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                            stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
 
     @property
     def pid(self) -> int | None:
