@@ -280,8 +280,10 @@ class KvopsTop(App[None]):
         self._render_engine_info()
         self.query_one("#engines", DataTable).focus()
         self.action_refresh()
-        self.set_interval(self.interval_s, self.action_refresh)
-        self.set_interval(0.25, self._tick)
+        # Timers of the widgets they redraw: they stop when the screen is torn down, instead of
+        # firing into a half-removed screen while the app exits.
+        self.query_one("#main").set_interval(self.interval_s, self.action_refresh)
+        self.query_one("#engine-info").set_interval(0.25, self._tick)
 
     def on_resize(self, event: Any) -> None:
         self._check_size(event.size.width, event.size.height)
