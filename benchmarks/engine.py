@@ -1,13 +1,13 @@
 """The engine benchmark: `python benchmarks/engine.py [options]` is `kvops bench [options]`.
 
-See `kvops/bench.py` (or `kvops bench --help`) for the systems, workloads and options.
+See `kvops/bench/engine.py` (or `kvops bench --help`) for the systems, workloads and options.
 """
 
 from __future__ import annotations
 
 import sys
 
-from kvops.bench import main
+from kvops.bench.engine import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import httpx
 
-from kvops.bench import CHAT_QUESTIONS
-from kvops.config import EngineSpec
-from kvops.history import EngineHistory
+from kvops.bench.engine import CHAT_QUESTIONS
 from kvops.logs import configure_logging
-from kvops.managed_engine import ManagedEngine
+from kvops.supervisor.config import EngineSpec
+from kvops.supervisor.history import EngineHistory
+from kvops.supervisor.managed_engine import ManagedEngine
 
 
 def start_engine(args: dict[str, object]) -> ManagedEngine:

@@ -20,7 +20,7 @@ import torch
 from kvops import kernels
 from kvops.engine.errors import InvalidRequestError
 from kvops.kernels import AttentionMetadata, KVCacheLayer
-from kvops.reports import BlockSizeProfile, BlockSizeTiming
+from kvops.schema.reports import BlockSizeProfile, BlockSizeTiming
 
 if TYPE_CHECKING:
     from kvops.engine.engine import LLMEngine

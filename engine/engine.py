@@ -30,7 +30,7 @@ from kvops.engine.shadow_cache import ShadowPrefixCache
 from kvops.engine.stats import EngineStats
 from kvops.engine.weights import load_model
 from kvops.kernels import AttentionMetadata, PrefillSpan
-from kvops.snapshot import (
+from kvops.schema.snapshot import (
     BlockStats,
     EngineInfo,
     RequestStats,

@@ -22,7 +22,7 @@ from kvops.engine.errors import InvalidRequestError
 from kvops.engine.kv_pool import layer_kv_dtypes
 from kvops.engine.kv_quality import private_kv_pool
 from kvops.kernels import AttentionMetadata, PrefillSpan
-from kvops.reports import KVQuantProfile, LayerKVError
+from kvops.schema.reports import KVQuantProfile, LayerKVError
 
 if TYPE_CHECKING:
     from kvops.engine.engine import LLMEngine

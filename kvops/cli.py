@@ -66,21 +66,21 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kvops.run import run
+    from kvops.supervisor.run import run
 
     return run(args)
 
 
 def _bench(argv: list[str]) -> int:
     if argv[:1] == ["kv-quant"]:
-        from kvops import bench_kv
+        from kvops.bench import kv_quant as bench_kv
 
         return bench_kv.main(argv[1:])
     if argv[:1] == ["load"]:
         from kvops import loadgen
 
         return loadgen.main(argv[1:])
-    from kvops import bench
+    from kvops.bench import engine as bench
 
     return bench.main(argv)
 
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="the supervisor: run and watch engines, diagnose, alert, fix "
                               "(see docs/supervisor.md)")
-    from kvops.run import add_run_args
+    from kvops.supervisor.run import add_run_args
 
     add_run_args(run)
     run.set_defaults(handler=_run)

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from synthetic import T0, snapshot
 
-from kvops.diagnosis import Diagnosis, Fix, FixKind, Severity
-from kvops.fixes import AuditEntry
-from kvops.snapshot import Snapshot
-from kvops.top.client import EngineEntry, LogLine, SupervisorRefused, SupervisorUnreachable
+from kvops.schema.audit import AuditEntry
+from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity
+from kvops.schema.engines import EngineEntry, LogLine
+from kvops.schema.snapshot import Snapshot
+from kvops.top.client import SupervisorRefused, SupervisorUnreachable
 
 TENANTS = {
     "alice": {"blocks_held": 300, "blocks_owned": 320, "quota_blocks": 400, "hit_rate": 0.9,

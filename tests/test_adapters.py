@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from kvops.adapters import Scrape, WatchedEngineClient, detect_flavour, snapshot_from_scrape
-from kvops.config import parse_config
 from kvops.doctor.cache import evaluate
 from kvops.engine.errors import ConfigError
-from kvops.engine_client import EngineUnreachable
+from kvops.supervisor.config import parse_config
+from kvops.supervisor.engine_client import EngineUnreachable
 
 FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
 T = 1_750_000_000.0  # the fixtures' processes started an hour before this
@@ -154,7 +154,7 @@ def test_watched_client_detects_vllm_and_refuses_admin_fixes(fake_vllm):
 
 
 def test_supervisor_watches_a_vllm_server(fake_vllm, tmp_path):
-    from kvops.supervisor import Supervisor
+    from kvops.supervisor.supervisor import Supervisor
 
     config = parse_config({"supervisor": {"state_dir": str(tmp_path), "listen": "127.0.0.1:0"},
                            "engines": [{"name": "vllm", "url": fake_vllm}]}, "test")
@@ -178,7 +178,7 @@ def test_kvops_run_and_top_watch_a_vllm_server(fake_vllm, tmp_path):
     import httpx
     from waiting import wait_for
 
-    from kvops.managed_engine import free_port
+    from kvops.supervisor.managed_engine import free_port
 
     listen = f"127.0.0.1:{free_port('127.0.0.1')}"
     env = {k: v for k, v in os.environ.items() if k != "KVOPS_ADMIN_TOKEN"}

@@ -24,7 +24,7 @@ from kvops.alerting.lifecycle import AlertLifecycle, alert_labels, fingerprint
 from kvops.alerting.outbox import Outbox, OutboxRow
 from kvops.alerting.payloads import ZERO_TIME
 from kvops.alerting.receivers import sign
-from kvops.diagnosis import Diagnosis, Fix, FixKind, Severity
+from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity
 
 EXTERNAL_URL = "http://kvops.example:9400"
 RFC3339_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")

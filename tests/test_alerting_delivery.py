@@ -26,8 +26,8 @@ from pydantic import BaseModel, ConfigDict
 from kvops.alerting import SIGNATURE_HEADER, Alerter, AlertingConfig, verify_signature
 from kvops.alerting.alerter import STATE_FILE
 from kvops.alerting.outbox import Outbox, OutboxRow
-from kvops.diagnosis import Diagnosis, Severity
 from kvops.logs import configure_logging
+from kvops.schema.diagnosis import Diagnosis, Severity
 
 EXTERNAL_URL = "http://kvops.example:9400"
 BEARER = "bearer-7f3a9c1e5b"

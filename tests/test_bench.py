@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvops.bench import main
+from kvops.bench.engine import main
 
 
 def test_quick_bench_writes_comparable_results(tmp_path, capsys):
@@ -40,7 +40,7 @@ def test_kv_quant_bench_reports_bytes_capacity_and_quality_per_dtype(tmp_path, c
 
 
 def test_kv_quant_bench_with_a_budget_too_small_says_so(capsys):
-    from kvops.bench_kv import main as kv_main
+    from kvops.bench.kv_quant import main as kv_main
 
     assert kv_main(["--quick", "--kv-cache-memory", "8MiB"]) == 2
     assert "raise --kv-cache-memory" in capsys.readouterr().err

@@ -16,8 +16,8 @@ from kvops.engine.llm import LLM
 from kvops.engine.sampling import SamplingParams
 from kvops.engine.server import build_app
 from kvops.engine.stats import EngineStats
-from kvops.reports import BlockSizeProfile
-from kvops.snapshot import StepSample
+from kvops.schema.reports import BlockSizeProfile
+from kvops.schema.snapshot import StepSample
 
 TOKEN = "block-size-token"
 PROMPT_LENS = (20, 45, 70)

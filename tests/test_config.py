@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvops.config import apply_override, load_config
 from kvops.engine.errors import ConfigError
+from kvops.supervisor.config import apply_override, load_config
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "kvops.example.toml"
 

@@ -6,7 +6,7 @@ import pytest
 
 from kvops.engine.errors import InvalidRequestError
 from kvops.engine.sampling import SamplingParams
-from kvops.snapshot import OWNER_CODES, Snapshot, decode_block_map
+from kvops.schema.snapshot import OWNER_CODES, Snapshot, decode_block_map
 
 
 def test_seeded_sampling_is_reproducible_and_differs_across_seeds(llm, chat_prompts):

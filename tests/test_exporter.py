@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvops import exporter
-from kvops.config import parse_config
-from kvops.supervisor import Supervisor
+from kvops.supervisor import exporter
+from kvops.supervisor.config import parse_config
+from kvops.supervisor.supervisor import Supervisor
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "supervisor.md"
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from kvops.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
 from kvops.engine.server import build_app
-from kvops.engine_client import EngineClient
-from kvops.fixes import AuditLog, FixError, FixManager
+from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
+from kvops.supervisor.engine_client import EngineClient
+from kvops.supervisor.fixes import AuditLog, FixError, FixManager
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from kvops.engine.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, EngineMetrics
-from kvops.snapshot import (
+from kvops.schema.snapshot import (
     BLOCK_STATE_CODES,
     BlockStats,
     EngineInfo,

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from kvops.snapshot import Snapshot
+from kvops.schema.snapshot import Snapshot
 
 MODEL = "SmolLM2-135M-Instruct"
 TOKEN = "test-admin-token"

@@ -7,7 +7,7 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvops.snapshot import (
+from kvops.schema.snapshot import (
     BLOCK_STATE_CODES,
     OTHER_OWNER_CODE,
     OWNER_CODES,

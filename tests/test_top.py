@@ -20,11 +20,12 @@ from fake_supervisor import FakeSupervisor
 from synthetic import T0, snapshot
 from textual.widgets import DataTable, Input, Static
 
-from kvops.snapshot import Snapshot, decode_block_map, encode_owner_map
+from kvops.schema.engines import EngineEntry
+from kvops.schema.snapshot import Snapshot, decode_block_map, encode_owner_map
 from kvops.top.app import ConfirmScreen, DetailScreen, KvopsTop, Readout
 from kvops.top.bench import synthetic_codes
 from kvops.top.block_map import aggregate, aggregate_owners, layout, layout_owners, render_rows
-from kvops.top.client import EngineEntry, Poller, SupervisorRefused, SupervisorUnreachable
+from kvops.top.client import Poller, SupervisorRefused, SupervisorUnreachable
 from kvops.top.render import histogram_lines, render_json, render_once, series
 
 # ----------------------------------------------------------------- block map (pure)

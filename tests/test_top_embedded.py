@@ -13,7 +13,7 @@ import psutil
 import pytest
 from textual.widgets import DataTable
 
-from kvops.managed_engine import free_port
+from kvops.supervisor.managed_engine import free_port
 from kvops.top import demo, run_top
 from kvops.top.app import ConfirmScreen, KvopsTop, Readout
 from kvops.top.client import SupervisorClient

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from fake_supervisor import FakeSupervisor
 
-from kvops.snapshot import encode_owner_map
+from kvops.schema.snapshot import encode_owner_map
 from kvops.top.app import KvopsTop
 
 SIZE = (160, 50)

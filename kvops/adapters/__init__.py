@@ -1,5 +1,5 @@
 """Adapters: other servers' Prometheus `/metrics` (vLLM, SGLang, and a kvops engine's own scrape) read into
-the one snapshot schema (`kvops.snapshot`), so the rules, `kvops run`, `kvops top` and `kvops doctor`
+the one snapshot schema (`kvops.schema.snapshot`), so the rules, `kvops run`, `kvops top` and `kvops doctor`
 work on them. What a server does not export stays neutral and is listed in `Snapshot.unknown`."""
 
 from kvops.adapters.client import ENGINE_KINDS, WatchedEngineClient

@@ -11,9 +11,9 @@ from typing import Any
 
 from kvops.adapters.detect import FLAVOURS, Flavour, detect_flavour, snapshot_from_scrape
 from kvops.adapters.prometheus import Scrape, ScrapeError
-from kvops.engine_client import EngineClient, EngineUnreachable
-from kvops.reports import BlockSizeProfile, KVQuantProfile
-from kvops.snapshot import Snapshot
+from kvops.schema.reports import BlockSizeProfile, KVQuantProfile
+from kvops.schema.snapshot import Snapshot
+from kvops.supervisor.engine_client import EngineClient, EngineUnreachable
 
 ENGINE_KINDS = ("auto", *FLAVOURS)
 

@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from kvops.adapters.prometheus import Scrape
-from kvops.snapshot import Histogram, Snapshot
+from kvops.schema.snapshot import Histogram, Snapshot
 
 # Without a pool size in the scrape, block counts are expressed in per-mille of the pool: usage and its
 # trend stay exact, absolute block numbers are marked unknown.

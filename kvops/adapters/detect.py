@@ -9,7 +9,7 @@ from kvops.adapters.kvops_metrics import snapshot_from_kvops_metrics
 from kvops.adapters.prometheus import Scrape
 from kvops.adapters.sglang import snapshot_from_sglang
 from kvops.adapters.vllm import snapshot_from_vllm
-from kvops.snapshot import Snapshot
+from kvops.schema.snapshot import Snapshot
 
 Flavour = Literal["kvops", "vllm", "sglang"]
 FLAVOURS: tuple[Flavour, ...] = ("kvops", "vllm", "sglang")

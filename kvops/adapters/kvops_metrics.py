@@ -10,7 +10,7 @@ from typing import Any
 
 from kvops.adapters.common import finish, histogram_json, neutral, ratio
 from kvops.adapters.prometheus import Scrape
-from kvops.snapshot import Snapshot
+from kvops.schema.snapshot import Snapshot
 
 
 def snapshot_from_kvops_metrics(scrape: Scrape, t: float, model_card: dict[str, Any] | None = None,

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvops.adapters.common import fill_blocks, finish_from_process, histogram_json, neutral_for, ratio, read_requests
 from kvops.adapters.prometheus import Scrape
-from kvops.snapshot import Snapshot
+from kvops.schema.snapshot import Snapshot
 
 
 def _int_label(scrape: Scrape, name: str, label: str) -> int | None:

@@ -26,7 +26,7 @@ from kvops.alerting.lifecycle import Alert, AlertLifecycle, AlertState, Lifecycl
 from kvops.alerting.outbox import NewNotification, Outbox, OutboxRow, PendingSummary
 from kvops.alerting.payloads import postable_alerts, webhook_payload
 from kvops.alerting.receivers import ReceiverClient
-from kvops.diagnosis import Diagnosis
+from kvops.schema.diagnosis import Diagnosis
 
 log = structlog.get_logger("kvops.alerting")
 

@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, field_validator, model_validator
 
-from kvops.diagnosis import Diagnosis, Severity
+from kvops.schema.diagnosis import Diagnosis, Severity
 
 DEFAULT_RUNBOOK_BASE_URL = "https://github.com/kvops/kvops/blob/main/docs/runbooks"
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from kvops.diagnosis import Diagnosis
+from kvops.schema.diagnosis import Diagnosis
 
 _FNV64_OFFSET = 14695981039346656037
 _FNV64_PRIME = 1099511628211

@@ -13,13 +13,13 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from kvops.diagnosis import Diagnosis, Severity
 from kvops.doctor.report import Check, Status
-from kvops.history import EngineHistory
-from kvops.reports import KVQuantProfile
 from kvops.rules import RULES, evaluate_all, kv_oom_runtime, prompt_variance
 from kvops.rules.common import reclaimable_blocks
-from kvops.snapshot import Snapshot, TenantStats
+from kvops.schema.diagnosis import Diagnosis, Severity
+from kvops.schema.reports import KVQuantProfile
+from kvops.schema.snapshot import Snapshot, TenantStats
+from kvops.supervisor.history import EngineHistory
 
 SECTION = "Cache health"
 ENGINE = "doctor"

@@ -15,10 +15,10 @@ from kvops.doctor.report import Check, Status
 from kvops.engine.capacity import Capacity, plan_capacity
 from kvops.engine.config import EngineConfig, format_bytes
 from kvops.engine.errors import CapacityError, ConfigError
-from kvops.reports import BlockSizeProfile
 from kvops.rules import block_size_mismatch
 from kvops.rules.common import blocks_for
-from kvops.snapshot import Snapshot
+from kvops.schema.reports import BlockSizeProfile
+from kvops.schema.snapshot import Snapshot
 
 SECTION = "Configuration"
 

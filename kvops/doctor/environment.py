@@ -8,7 +8,7 @@ import sys
 from importlib import metadata
 
 from kvops.doctor.report import Check, Status
-from kvops.snapshot import Snapshot
+from kvops.schema.snapshot import Snapshot
 
 SECTION = "Environment"
 MIN_PYTHON = (3, 11)

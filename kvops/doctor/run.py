@@ -18,9 +18,9 @@ from kvops.doctor.cache import cache_checks
 from kvops.doctor.liveness import probe
 from kvops.doctor.render import render_json, render_text
 from kvops.doctor.report import Check, Report, Status
-from kvops.engine_client import EngineUnreachable
-from kvops.reports import BlockSizeProfile, KVQuantProfile
-from kvops.snapshot import Snapshot
+from kvops.schema.reports import BlockSizeProfile, KVQuantProfile
+from kvops.schema.snapshot import Snapshot
+from kvops.supervisor.engine_client import EngineUnreachable
 
 LOCAL_URL = "http://127.0.0.1:8000"  # `kvops engine serve`'s default address
 SUPERVISOR_URL = "http://127.0.0.1:9400"  # `kvops run`'s default address: its engines are local ones too
@@ -109,9 +109,9 @@ def _environment(report: Report) -> None:
 
 
 def _static(report: Report, path: str | None) -> None:
-    from kvops.config import load_config
     from kvops.engine.config import EngineConfig
     from kvops.engine.errors import ConfigError
+    from kvops.supervisor.config import load_config
 
     try:
         config = load_config(path)

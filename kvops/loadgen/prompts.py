@@ -67,7 +67,7 @@ def _vocabulary(tokenizer: Any) -> _Vocabulary:
 
 
 def _build_vocabulary(tokenizer: Any) -> _Vocabulary:
-    from kvops.bench import _SENTENCES
+    from kvops.bench.engine import _SENTENCES
 
     if getattr(getattr(tokenizer, "backend_tokenizer", None), "pre_tokenizer", None) is None:
         raise LoadError("the tokenizer is not a fast (Rust) tokenizer with a pre-tokenizer: exact prompt lengths "
@@ -178,7 +178,7 @@ def load_tokenizer(path: str | None = None) -> Any:
     """The tokenizer prompts are built with (the default model's unless `path`), loaded once per process."""
     with _TOKENIZERS_LOCK:
         if path not in _TOKENIZERS:
-            from kvops.bench import _quiet_transformers
+            from kvops.bench.engine import _quiet_transformers
             from kvops.engine.weights import load_tokenizer as load
 
             with _quiet_transformers():

@@ -17,8 +17,6 @@ from typing import Any, Generic, TypeVar
 import structlog
 from pydantic import BaseModel
 
-from kvops.diagnosis import Diagnosis
-from kvops.history import EngineHistory
 from kvops.rules import (
     block_size_mismatch,
     crash_loop,
@@ -32,6 +30,8 @@ from kvops.rules import (
     swap_storm,
     tenant_pollution,
 )
+from kvops.schema.diagnosis import Diagnosis
+from kvops.supervisor.history import EngineHistory
 
 log = structlog.get_logger(__name__)
 

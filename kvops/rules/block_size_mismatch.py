@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from kvops.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
-from kvops.history import EngineHistory
-from kvops.reports import BlockSizeProfile, BlockSizeTiming
 from kvops.rules.common import Evidence, SnapshotRuleSettings, fresh_latest, median, recent_steps, run_span
-from kvops.snapshot import StepSample
+from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
+from kvops.schema.reports import BlockSizeProfile, BlockSizeTiming
+from kvops.schema.snapshot import StepSample
+from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "block_size_mismatch"
 TITLE = "Block-size mismatch: another block size decodes measurably faster"

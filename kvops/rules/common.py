@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvops.diagnosis import Fix, FixKind
-from kvops.history import EngineHistory, Getter
-from kvops.snapshot import GpuStats, Snapshot, StepSample
+from kvops.schema.diagnosis import Fix, FixKind
+from kvops.schema.snapshot import GpuStats, Snapshot, StepSample
+from kvops.supervisor.history import EngineHistory, Getter
 
 Evidence = dict[str, float | int | str | bool | None]
 

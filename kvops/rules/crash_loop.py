@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from kvops.diagnosis import Diagnosis, Fix, FixKind, Severity
-from kvops.history import EngineExit, EngineHistory
 from kvops.rules.common import RuleSettings
+from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity
+from kvops.schema.engines import EngineExit
+from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "crash_loop"
 TITLE = "Crash loop: the engine keeps exiting"

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from kvops.diagnosis import Diagnosis, Severity, Verification
-from kvops.history import EngineHistory
 from kvops.rules.common import (
     SnapshotRuleSettings,
     blocks_per_seq,
@@ -25,7 +23,9 @@ from kvops.rules.common import (
     reclaimable_blocks,
     run_span,
 )
-from kvops.snapshot import Snapshot
+from kvops.schema.diagnosis import Diagnosis, Severity, Verification
+from kvops.schema.snapshot import Snapshot
+from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "kv_oom_runtime"
 TITLE = "OOM risk at run time: free KV blocks trending to zero"

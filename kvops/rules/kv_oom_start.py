@@ -12,8 +12,6 @@ import math
 
 from pydantic import Field
 
-from kvops.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
-from kvops.history import EngineHistory
 from kvops.rules.common import (
     GPU_HEADROOM,
     SnapshotRuleSettings,
@@ -22,6 +20,8 @@ from kvops.rules.common import (
     gpu_free_bytes,
     memory_evidence,
 )
+from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
+from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "kv_oom_start"
 TITLE = "OOM risk at start: the KV pool cannot hold max_num_seqs requests of max_model_len"

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from kvops.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
-from kvops.history import EngineHistory
 from kvops.rules.common import SnapshotRuleSettings, covered, fresh_latest, steady_span
+from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
+from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "prefix_caching_off"
 TITLE = "Prefix caching is off on a shared-prefix workload"

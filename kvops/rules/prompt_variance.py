@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from kvops.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
-from kvops.history import EngineHistory
 from kvops.rules.common import SnapshotRuleSettings, covered, fresh_latest, steady_span
-from kvops.snapshot import Snapshot
+from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
+from kvops.schema.snapshot import Snapshot
+from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "prompt_variance"
 TITLE = "Low hit rate from prompt variance: normalized prompts would hit the cache"

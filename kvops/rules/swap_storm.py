@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from kvops.diagnosis import Diagnosis, Severity, Verification
-from kvops.history import EngineHistory
 from kvops.rules.common import (
     SnapshotRuleSettings,
     blocks_per_seq,
@@ -22,6 +20,8 @@ from kvops.rules.common import (
     recent_steps,
     run_span,
 )
+from kvops.schema.diagnosis import Diagnosis, Severity, Verification
+from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "swap_storm"
 TITLE = "Swap storm: preempted sequences thrash between device and host"

@@ -14,8 +14,6 @@ import math
 
 from pydantic import Field
 
-from kvops.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
-from kvops.history import EngineHistory, Getter
 from kvops.rules.common import (
     SnapshotRuleSettings,
     blocks_for,
@@ -26,7 +24,9 @@ from kvops.rules.common import (
     rounded,
     run_span,
 )
-from kvops.snapshot import Snapshot
+from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
+from kvops.schema.snapshot import Snapshot
+from kvops.supervisor.history import EngineHistory, Getter
 
 RULE_ID = "tenant_pollution"
 TITLE = "Tenant pollution: one tenant evicts the others' cached blocks"

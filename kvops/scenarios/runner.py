@@ -18,12 +18,12 @@ from typing import Any
 import structlog
 from pydantic import BaseModel, Field
 
-from kvops.config import parse_config
-from kvops.diagnosis import Diagnosis
-from kvops.fixes import AuditEntry
-from kvops.history import EngineHistory
-from kvops.snapshot import Snapshot
-from kvops.supervisor import Supervisor
+from kvops.schema.audit import AuditEntry
+from kvops.schema.diagnosis import Diagnosis
+from kvops.schema.snapshot import Snapshot
+from kvops.supervisor.config import parse_config
+from kvops.supervisor.history import EngineHistory
+from kvops.supervisor.supervisor import Supervisor
 
 log = structlog.get_logger("kvops.scenarios")
 

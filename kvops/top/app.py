@@ -1,4 +1,4 @@
-"""`kvops top`: an htop-like Textual view of a running supervisor (its JSON API, kvops.supervisor_api).
+"""`kvops top`: an htop-like Textual view of a running supervisor (its JSON API, kvops.supervisor.api).
 
 The app never touches the network on its event loop: a thread worker polls the `Source` (the
 supervisor client) every `interval_s` and hands the result back with `call_from_thread`. When the
@@ -20,9 +20,9 @@ from textual.screen import ModalScreen
 from textual.widget import Widget
 from textual.widgets import Button, DataTable, Footer, Input, Label, Sparkline, Static
 
-from kvops.diagnosis import Diagnosis
-from kvops.fixes import AuditEntry
-from kvops.snapshot import TenantStats, decode_block_map
+from kvops.schema.audit import AuditEntry
+from kvops.schema.diagnosis import Diagnosis
+from kvops.schema.snapshot import TenantStats, decode_block_map
 from kvops.top import block_map
 from kvops.top.client import ADMIN_TOKEN_ENV, EngineView, Poller, Source, SupervisorUnreachable, TopState
 from kvops.top.render import (

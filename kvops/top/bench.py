@@ -21,11 +21,12 @@ from typing import Any
 
 from rich.console import Console
 
-from kvops.diagnosis import Diagnosis, Fix, FixKind, Severity
-from kvops.fixes import AuditEntry
-from kvops.snapshot import BLOCK_STATE_CODES, Snapshot, encode_block_map, encode_owner_map
+from kvops.schema.audit import AuditEntry
+from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity
+from kvops.schema.engines import EngineEntry, LogLine
+from kvops.schema.snapshot import BLOCK_STATE_CODES, Snapshot, encode_block_map, encode_owner_map
 from kvops.top.block_map import CODE_PRIORITY, layout, render_rows
-from kvops.top.client import EngineEntry, EngineView, LogLine, TopState
+from kvops.top.client import EngineView, TopState
 
 
 def synthetic_codes(num_blocks: int, seed: int = 0) -> str:

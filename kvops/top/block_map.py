@@ -1,4 +1,4 @@
-"""The block map: a decoded block-state string (one code per block, kvops.snapshot) laid out in cells.
+"""The block map: a decoded block-state string (one code per block, kvops.schema.snapshot) laid out in cells.
 The tenant view does the same with the owner map (one tenant letter per block).
 
 Pure functions, no Textual. When there are more blocks than cells, each cell covers N blocks and
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from rich.text import Text
 
-from kvops.snapshot import BLOCK_STATE_CODES, NO_OWNER_CODE, OTHER_OWNER_CODE, OWNER_CODES
+from kvops.schema.snapshot import BLOCK_STATE_CODES, NO_OWNER_CODE, OTHER_OWNER_CODE, OWNER_CODES
 
 # Most interesting first.
 PRIORITY = ("swapped", "pending_free", "filling", "full", "cached", "free")

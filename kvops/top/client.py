@@ -1,4 +1,4 @@
-"""A small client for the supervisor's JSON API (kvops.supervisor_api), for `kvops top` and scripts.
+"""A small client for the supervisor's JSON API (kvops.supervisor.api), for `kvops top` and scripts.
 
 Every call returns pydantic models (the same Snapshot, Diagnosis and AuditEntry the supervisor
 serves). Any failure becomes `SupervisorUnreachable` with a message that says which call failed
@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
-from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+from pydantic import TypeAdapter, ValidationError
 
-from kvops.diagnosis import Diagnosis
-from kvops.fixes import AuditEntry
-from kvops.snapshot import Snapshot
+from kvops.schema.audit import AuditEntry
+from kvops.schema.diagnosis import Diagnosis
+from kvops.schema.engines import EngineEntry, LogLine
+from kvops.schema.snapshot import Snapshot
 
 DEFAULT_URL = "http://127.0.0.1:9400"
 ADMIN_TOKEN_ENV = "KVOPS_ADMIN_TOKEN"
@@ -38,37 +39,6 @@ class SupervisorRefused(SupervisorUnreachable):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
-
-
-class EngineEntry(BaseModel):
-    """One row of GET /api/engines."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    name: str
-    url: str = ""
-    managed: bool = False
-    up: bool = False
-    pid: int | None = None
-    restarts: int = 0
-    crash_loop: bool = False
-    last_error: str | None = None
-    diagnoses: int = 0
-    snapshot_time: float | None = None
-    started_at: float | None = None  # when the running process started (managed engines)
-    restart_at: float | None = None  # when a restart is due, after an exit
-    last_log: str | None = None  # the engine's latest log line: what a starting engine is busy with
-
-
-class LogLine(BaseModel):
-    """One line of GET /api/engines/{name}/logs."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    time: float
-    stream: str
-    level: str = "info"
-    text: str
 
 
 _engines = TypeAdapter(list[EngineEntry])

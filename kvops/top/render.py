@@ -7,7 +7,7 @@ import json
 import time
 from collections.abc import Sequence
 
-from kvops.snapshot import Histogram, Snapshot, TenantStats
+from kvops.schema.snapshot import Histogram, Snapshot, TenantStats
 from kvops.top.client import EngineView, Poller, Source, SupervisorRefused
 
 

@@ -22,14 +22,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import IO, Any
 
 import structlog
 
-from kvops.config import EngineSpec
-from kvops.engine_client import EngineClient, EngineUnreachable
-from kvops.history import EngineExit, EngineHistory
+from kvops.schema.engines import EngineExit, LogLine
+from kvops.supervisor.config import EngineSpec
+from kvops.supervisor.engine_client import EngineClient, EngineUnreachable
+from kvops.supervisor.history import EngineHistory
 
 log = structlog.get_logger("kvops.supervisor.engine")
 
@@ -37,15 +37,6 @@ STDERR_TAIL_LINES = 40
 LOG_TAIL_LINES = 500
 
 
-@dataclass(frozen=True)
-class LogLine:
-    """One line of an engine's log as `kvops top` shows it: the engine's own lines (stdout and
-    stderr, JSON log records flattened to "event key=value") and the manager's notes (stream "kvops")."""
-
-    time: float
-    stream: str
-    level: str
-    text: str
 _PR_SET_PDEATHSIG = 1
 
 
@@ -138,15 +129,17 @@ class ManagedEngine:
                 record.pop("timestamp", None)
                 level = str(record.pop("level", "info"))
                 fields = " ".join(f"{key}={value}" for key, value in record.items() if key != "logger")
-                self.log_tail.append(LogLine(time.time(), name, level, f"{event} {fields}".rstrip()))
+                self.log_tail.append(
+                    LogLine(time=time.time(), stream=name, level=level, text=f"{event} {fields}".rstrip()))
                 getattr(log, level if level in ("debug", "info", "warning", "error") else "info")(
                     f"engine: {event}", engine=self.spec.name, **record)
             else:
-                self.log_tail.append(LogLine(time.time(), name, "error" if "Traceback" in line else "info", line))
+                level = "error" if "Traceback" in line else "info"
+                self.log_tail.append(LogLine(time=time.time(), stream=name, level=level, text=line))
                 log.info(f"engine: {line}", engine=self.spec.name, stream=name)
 
     def _note(self, level: str, text: str) -> None:
-        self.log_tail.append(LogLine(time.time(), "kvops", level, text))
+        self.log_tail.append(LogLine(time=time.time(), stream="kvops", level=level, text=text))
 
     def wait_healthy(self, timeout_s: float | None = None) -> None:
         """Block until /health answers; raise EngineUnreachable naming what was waited for."""

@@ -6,7 +6,7 @@ import argparse
 import os
 from typing import Any
 
-from kvops.config import KvopsConfig, load_config, parse_config
+from kvops.supervisor.config import KvopsConfig, load_config, parse_config
 
 
 def add_run_args(parser: argparse.ArgumentParser) -> None:
@@ -56,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
     from kvops.alerting import AlertingConfigError
     from kvops.engine.errors import ConfigError
     from kvops.serving import serve
-    from kvops.supervisor import Supervisor
-    from kvops.supervisor_api import build_supervisor_app
+    from kvops.supervisor.api import build_supervisor_app
+    from kvops.supervisor.supervisor import Supervisor
 
     try:
         supervisor = Supervisor(config, admin_token=os.environ.get(config.supervisor.admin_token_env))

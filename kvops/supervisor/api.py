@@ -1,7 +1,7 @@
 """The supervisor's HTTP API (loopback by default): what `kvops top` and scripts read.
 
 GET  /health                                  the supervisor itself
-GET  /metrics                                 Prometheus exposition (kvops.exporter)
+GET  /metrics                                 Prometheus exposition (kvops.supervisor.exporter)
 GET  /api/engines                             every engine: url, managed, up, pid, restarts, crash loop, last error
 GET  /api/engines/{name}/snapshot             the latest snapshot
 GET  /api/engines/{name}/history?seconds=60   snapshots of the last N seconds
@@ -18,7 +18,6 @@ POST /api/engines/{name}/resume               restart a managed engine stopped i
 from __future__ import annotations
 
 import hmac
-from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -26,12 +25,13 @@ from fastapi import FastAPI, Header
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from kvops import exporter
-from kvops.fixes import FixError
-from kvops.managed_engine import LOG_TAIL_LINES, ManagedEngine
+from kvops.schema.engines import EngineEntry
+from kvops.supervisor import exporter
+from kvops.supervisor.fixes import FixError
+from kvops.supervisor.managed_engine import LOG_TAIL_LINES, ManagedEngine
 
 if TYPE_CHECKING:
-    from kvops.supervisor import Supervisor
+    from kvops.supervisor.supervisor import Supervisor
 
 
 class ApplyFixBody(BaseModel):
@@ -83,20 +83,20 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
     async def engines() -> list[dict[str, Any]]:
         out = []
         for name, state in sup.engines.items():
-            latest = state.history.latest
-            out.append({
-                "name": name, "url": state.url, "managed": state.spec.managed, "up": state.history.is_up,
-                "pid": state.managed.pid if state.managed else (latest.engine.pid if latest else None),
-                "restarts": state.history.restarts_total, "crash_loop": state.history.crash_loop,
-                "last_error": state.last_error,
-                "last_exit": state.history.exits[-1].__dict__ if state.history.exits else None,
-                "args": state.managed.args if state.managed else None,
-                "diagnoses": len(state.diagnoses),
-                "snapshot_time": latest.time if latest else None,
-                "started_at": state.managed.started_at if state.managed and state.managed.pid else None,
-                "restart_at": state.managed.next_start_at if state.managed else None,
-                "last_log": _last_log(state.managed),
-            })
+            latest, managed = state.history.latest, state.managed
+            out.append(EngineEntry(
+                name=name, url=state.url, kind=state.spec.kind, managed=state.spec.managed, up=state.history.is_up,
+                pid=managed.pid if managed else (latest.engine.pid if latest else None),
+                restarts=state.history.restarts_total, crash_loop=state.history.crash_loop,
+                last_error=state.last_error,
+                last_exit=state.history.exits[-1] if state.history.exits else None,
+                args=managed.args if managed else None,
+                diagnoses=len(state.diagnoses),
+                snapshot_time=latest.time if latest else None,
+                started_at=managed.started_at if managed and managed.pid else None,
+                restart_at=managed.next_start_at if managed else None,
+                last_log=_last_log(managed),
+            ).model_dump(mode="json"))
         return out
 
     @app.get("/api/engines/{name}/logs")
@@ -107,7 +107,7 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
         if state.managed is None:
             return []  # a watched engine logs wherever it was started; kvops never sees its output
         tail = list(state.managed.log_tail)[-max(0, min(lines, LOG_TAIL_LINES)):] if lines > 0 else []
-        return [asdict(line) for line in tail]
+        return [line.model_dump(mode="json") for line in tail]
 
     @app.get("/api/engines/{name}/snapshot")
     async def snapshot(name: str) -> Response:

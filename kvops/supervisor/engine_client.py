@@ -9,8 +9,8 @@ from typing import Any
 
 import httpx
 
-from kvops.reports import BlockSizeProfile, KVQuantProfile
-from kvops.snapshot import Snapshot
+from kvops.schema.reports import BlockSizeProfile, KVQuantProfile
+from kvops.schema.snapshot import Snapshot
 
 
 class EngineUnreachable(Exception):

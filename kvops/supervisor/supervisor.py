@@ -19,13 +19,13 @@ import structlog
 
 from kvops.adapters import WatchedEngineClient
 from kvops.alerting import Alerter
-from kvops.config import EngineSpec, KvopsConfig
-from kvops.diagnosis import Diagnosis, Severity
-from kvops.engine_client import EngineClient, EngineUnreachable
-from kvops.fixes import AuditLog, FixManager
-from kvops.history import EngineHistory, HealthSample
-from kvops.managed_engine import ManagedEngine
 from kvops.rules import evaluate_all
+from kvops.schema.diagnosis import Diagnosis, Severity
+from kvops.supervisor.config import EngineSpec, KvopsConfig
+from kvops.supervisor.engine_client import EngineClient, EngineUnreachable
+from kvops.supervisor.fixes import AuditLog, FixManager
+from kvops.supervisor.history import EngineHistory, HealthSample
+from kvops.supervisor.managed_engine import ManagedEngine
 
 log = structlog.get_logger("kvops.supervisor")
 

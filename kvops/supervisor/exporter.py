@@ -15,10 +15,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from kvops import __version__
-from kvops.diagnosis import Severity
+from kvops.schema.diagnosis import Severity
 
 if TYPE_CHECKING:
-    from kvops.supervisor import Supervisor
+    from kvops.supervisor.supervisor import Supervisor
 
 FIX_OUTCOMES = ("proposed", "applied", "verified", "rolled_back", "reverted", "failed")
 

@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from kvops.bench import _PROSE, CHAT_QUESTIONS, log, publish
+from kvops.bench.engine import _PROSE, CHAT_QUESTIONS, log, publish
 
 VARIANTS = (("auto", 32), ("int8", 32), ("fp8", 32), ("int4", 32), ("int4", 64))
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         args.prompts, args.max_tokens = min(args.prompts, 4), min(args.max_tokens, 8)
     args.steps = [10] if args.quick else [10, 50, 100]
 
-    from kvops.bench import _configure_logging
+    from kvops.bench.engine import _configure_logging
 
     _configure_logging()
     from kvops.engine.errors import EngineError

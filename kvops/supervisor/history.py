@@ -12,8 +12,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvops.reports import BlockSizeProfile, KVQuantProfile
-from kvops.snapshot import Snapshot
+from kvops.schema.engines import EngineExit
+from kvops.schema.reports import BlockSizeProfile, KVQuantProfile
+from kvops.schema.snapshot import Snapshot
 
 Getter = Callable[[Snapshot], float]
 
@@ -23,14 +24,6 @@ class HealthSample:
     t: float  # unix seconds
     up: bool
     error: str = ""  # why the check failed
-
-
-@dataclass(frozen=True)
-class EngineExit:
-    t: float
-    exit_code: int | None  # None when killed by a signal
-    signal: int | None
-    stderr_tail: tuple[str, ...] = ()
 
 
 @dataclass

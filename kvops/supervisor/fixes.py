@@ -19,33 +19,17 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import structlog
-from pydantic import BaseModel, Field
 
-from kvops.diagnosis import Diagnosis, Fix, FixKind
-from kvops.engine_client import EngineClient, EngineUnreachable
-from kvops.managed_engine import ManagedEngine
+from kvops.schema.audit import AuditEntry
+from kvops.schema.diagnosis import Diagnosis, Fix, FixKind
+from kvops.supervisor.engine_client import EngineClient, EngineUnreachable
+from kvops.supervisor.managed_engine import ManagedEngine
 
 log = structlog.get_logger("kvops.supervisor.fixes")
 
-Action = Literal["proposed", "applied", "verified", "rolled_back", "failed", "reverted"]
-
-
-class AuditEntry(BaseModel):
-    id: int
-    time: float
-    engine: str
-    rule: str
-    subject: str = ""
-    action: Action
-    fix: Fix | None = None
-    before: dict[str, Any] = Field(default_factory=dict)  # the settings before the fix
-    after: dict[str, Any] = Field(default_factory=dict)  # ... and after it
-    evidence_before: dict[str, Any] = Field(default_factory=dict)
-    evidence_after: dict[str, Any] = Field(default_factory=dict)
-    message: str = ""
 
 
 @dataclass

@@ -1,0 +1,53 @@
+"""What the supervisor serves about its engines: a row of GET /api/engines and a line of
+GET /api/engines/{name}/logs. The supervisor builds these; `kvops top` and scripts read them, and
+ignore fields they do not know, so a newer supervisor can add some."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class EngineExit(BaseModel):
+    """How a managed engine's process ended."""
+
+    t: float
+    exit_code: int | None  # None when killed by a signal
+    signal: int | None
+    stderr_tail: tuple[str, ...] = ()
+
+
+class EngineEntry(BaseModel):
+    """One row of GET /api/engines."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    url: str = ""
+    kind: str = "kvops"
+    managed: bool = False
+    up: bool = False
+    pid: int | None = None
+    restarts: int = 0
+    crash_loop: bool = False
+    last_error: str | None = None
+    last_exit: EngineExit | None = None
+    args: dict[str, Any] | None = None  # a managed engine's current settings
+    diagnoses: int = 0
+    snapshot_time: float | None = None
+    started_at: float | None = None  # when the running process started (managed engines)
+    restart_at: float | None = None  # when a restart is due, after an exit
+    last_log: str | None = None  # the engine's latest log line: what a starting engine is busy with
+
+
+class LogLine(BaseModel):
+    """One line of an engine's log as `kvops top` shows it: the engine's own lines (stdout and
+    stderr, JSON log records flattened to "event key=value") and the manager's notes (stream "kvops")."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    time: float
+    stream: str
+    level: str = "info"
+    text: str

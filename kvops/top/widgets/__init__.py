@@ -1,0 +1,1 @@
+"""One widget per panel of `kvops top`; app.py composes them."""
