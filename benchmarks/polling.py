@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from kvops.bench.engine import CHAT_QUESTIONS
+from kvops.bench.workloads import CHAT_QUESTIONS
 from kvops.logs import configure_logging
 from kvops.supervisor.config import EngineSpec
 from kvops.supervisor.history import EngineHistory

@@ -1,8 +1,12 @@
-"""A KV block and the states it moves through (see DESIGN.md, "Block states")."""
+"""A KV block and the states it moves through (see docs/engine.md, "Block states")."""
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass, field
+
+from kvops.engine.hashing import BlockHash
+from kvops.schema.snapshot import BLOCK_STATE_CODES
 
 
 class BlockState(enum.Enum):
@@ -15,18 +19,8 @@ class BlockState(enum.Enum):
 
     @property
     def code(self) -> str:
-        """One character per state, used by the compact block map."""
-        return _CODES[self]
-
-
-_CODES = {
-    BlockState.FREE: ".",
-    BlockState.FILLING: "f",
-    BlockState.FULL: "F",
-    BlockState.CACHED: "c",
-    BlockState.PENDING_FREE: "p",
-    BlockState.SWAPPED: "s",
-}
+        """One character per state, used by the compact block map (the schema defines them, for every reader)."""
+        return BLOCK_STATE_CODES[self.value]
 
 
 class Block:
@@ -48,3 +42,16 @@ class Block:
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, {self.state.name}, ref={self.ref_count})"
+
+
+@dataclass
+class SeqBlocks:
+    """The block table of one live sequence, plus the hashes of its full blocks. For a swapped-out
+    sequence the table holds host block ids."""
+
+    seq_id: str
+    tenant: str
+    salt: str | None
+    block_ids: list[int] = field(default_factory=list)
+    hashes: list[BlockHash] = field(default_factory=list)
+    num_full: int = 0  # leading blocks already marked FULL

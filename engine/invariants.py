@@ -82,20 +82,21 @@ def _check_host_pool(bm: BlockManager, problems: list[str]) -> None:
     """The host pool: each block FREE and queued, or SWAPPED and held by exactly one swapped table."""
     if set(bm.swapped) & set(bm.seqs):
         problems.append(f"sequences {sorted(set(bm.swapped) & set(bm.seqs))} are both swapped and on the device")
+    pool = bm.host_pool
     holders: Counter[int] = Counter()
     for seq in bm.swapped.values():
         holders.update(seq.block_ids)
         if seq.num_full > len(seq.block_ids):
             problems.append(f"swapped sequence {seq.seq_id} has {seq.num_full} full blocks in a table of "
                             f"{len(seq.block_ids)}")
-    free = list(bm.host_free_queue)
+    free = list(pool.free_queue)
     free_set = set(free)
     if len(free) != len(free_set):
         problems.append("a host block is in the host free queue twice")
-    if len(bm.host_blocks) != bm.num_host_blocks:
-        problems.append(f"the host pool has {len(bm.host_blocks)} blocks, not {bm.num_host_blocks}")
+    if len(pool.blocks) != pool.num_blocks:
+        problems.append(f"the host pool has {len(pool.blocks)} blocks, not {pool.num_blocks}")
     actual_counts: Counter[BlockState] = Counter()
-    for block in bm.host_blocks:
+    for block in pool.blocks:
         bid, state = block.block_id, block.state
         actual_counts[state] += 1
         if state not in (BlockState.FREE, BlockState.SWAPPED):
@@ -110,9 +111,38 @@ def _check_host_pool(bm: BlockManager, problems: list[str]) -> None:
             problems.append(f"host block {bid} is {state.name} with ref_count {block.ref_count}")
         if state is BlockState.FREE and (block.hash is not None or block.owner is not None):
             problems.append(f"FREE host block {bid} still has a hash or an owner")
-    counted = {s: c for s, c in bm.host_state_counts.items() if c}
+    counted = {s: c for s, c in pool.state_counts.items() if c}
     if counted != {s: c for s, c in actual_counts.items() if c}:
-        problems.append(f"host state counts {dict(bm.host_state_counts)} disagree with the host blocks "
+        problems.append(f"host state counts {dict(pool.state_counts)} disagree with the host blocks "
                         f"{dict(actual_counts)}")
-    if sum(actual_counts.values()) != bm.num_host_blocks:
+    if sum(actual_counts.values()) != pool.num_blocks:
         problems.append("free + swapped host blocks do not add up to the host pool")
+
+
+def fingerprint(bm: BlockManager, host: bool = True) -> dict[str, object]:
+    """Everything observable in the block manager (the device side only when not `host`): two equal
+    fingerprints around an operation show that it changed nothing, as a refused operation must."""
+    device = {
+        "state_map": bm.state_map(),
+        "state_counts": {s: c for s, c in bm.state_counts.items() if c},
+        "free_queue": list(bm.free_queue),
+        "pending_free": list(bm.pending_free),
+        "cached": dict(bm.cached),
+        "seqs": {k: (list(v.block_ids), v.num_full, list(v.hashes)) for k, v in bm.seqs.items()},
+        "blocks": [(b.ref_count, b.hash, b.owner, b.depth, b.last_access, b.freq) for b in bm.blocks],
+        "evictable": (sorted(b.block_id for b in bm.evictor.blocks()), len(bm.evictor)),
+        "tenants": {t: (s.evictions_caused, s.evictions_suffered) for t, s in bm.tenants.items()},
+        "owned": dict(bm.owned),
+        "totals": (bm.evictions_total, bm.allocations_total, bm.swap_out_blocks_total, bm.swap_in_blocks_total,
+                   bm.swap_in_reused_total),
+    }
+    if not host:
+        return device
+    pool = bm.host_pool
+    return {
+        **device,
+        "host_state_map": pool.state_map(),
+        "host_free_queue": list(pool.free_queue),
+        "swapped": {k: (list(v.block_ids), v.num_full, list(v.hashes)) for k, v in pool.tables.items()},
+        "host_blocks": [(b.ref_count, b.hash, b.owner, b.depth) for b in pool.blocks],
+    }

@@ -14,7 +14,7 @@ Every metric is listed in docs/metrics.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -214,26 +214,21 @@ class EngineMetrics:
         self.registry = CollectorRegistry()
         events = CollectorRegistry()
         self._events = events
-        self.request_prompt_tokens = Histogram(
-            "kvops_request_prompt_tokens", "Prompt length of finished requests, in tokens.",
-            ["tenant"], buckets=TOKEN_BUCKETS, registry=events,
-        )
-        self.request_generation_tokens = Histogram(
-            "kvops_request_generation_tokens", "Tokens generated per finished request.",
-            ["tenant"], buckets=TOKEN_BUCKETS, registry=events,
-        )
-        self.time_to_first_token = Histogram(
-            "kvops_time_to_first_token_seconds", "Time from arrival to the first generated token.",
-            ["tenant"], buckets=LATENCY_BUCKETS, registry=events,
-        )
-        self.inter_token_latency = Histogram(
+
+        def per_tenant(name: str, documentation: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(name, documentation, ["tenant"], buckets=buckets, registry=events)
+
+        self.request_prompt_tokens = per_tenant(
+            "kvops_request_prompt_tokens", "Prompt length of finished requests, in tokens.", TOKEN_BUCKETS)
+        self.request_generation_tokens = per_tenant(
+            "kvops_request_generation_tokens", "Tokens generated per finished request.", TOKEN_BUCKETS)
+        self.time_to_first_token = per_tenant(
+            "kvops_time_to_first_token_seconds", "Time from arrival to the first generated token.", LATENCY_BUCKETS)
+        self.inter_token_latency = per_tenant(
             "kvops_inter_token_latency_seconds", "Time between consecutive generated tokens of a request.",
-            ["tenant"], buckets=LATENCY_BUCKETS, registry=events,
-        )
-        self.e2e_latency = Histogram(
-            "kvops_e2e_request_latency_seconds", "Time from arrival to finish of a request.",
-            ["tenant"], buckets=LATENCY_BUCKETS, registry=events,
-        )
+            LATENCY_BUCKETS)
+        self.e2e_latency = per_tenant(
+            "kvops_e2e_request_latency_seconds", "Time from arrival to finish of a request.", LATENCY_BUCKETS)
         self.requests_finished = Counter(
             "kvops_requests_finished", "Requests finished, by finish reason (stop, length, abort).",
             ["tenant", "finish_reason"], registry=events,

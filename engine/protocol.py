@@ -55,6 +55,15 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class _Response(BaseModel):
+    """What every OpenAI response object starts with; each kind sets `object` and adds its choices."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
@@ -62,11 +71,8 @@ class CompletionChoice(BaseModel):
     logprobs: None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_Response):
     object: str = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -82,11 +88,8 @@ class ChatChoice(BaseModel):
     finish_reason: str | None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Response):
     object: str = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChoice]
     usage: Usage
 
@@ -102,11 +105,8 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Response):
     object: str = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 

@@ -24,9 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvops.engine.block_manager import BlockManager
+from kvops.engine.config import PREEMPTION_MODES
 from kvops.engine.sequence import Sequence, SequenceStatus
-
-PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass

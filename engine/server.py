@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import json
+import re
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import structlog
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvops.engine.async_engine import AsyncEngine
@@ -46,6 +48,14 @@ from kvops.engine.protocol import (
     Usage,
 )
 from kvops.engine.sampling import SamplingParams
+from kvops.schema.admin import (
+    ADMIN_ACTIONS,
+    AdminAction,
+    EvictionPolicyBody,
+    NormalizationBody,
+    PrefixCachingBody,
+    TenantBody,
+)
 
 log = structlog.get_logger("kvops.engine.server")
 
@@ -57,22 +67,58 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
     return JSONResponse(body.model_dump(), status_code=status)
 
 
-class PrefixCachingBody(BaseModel):
-    enabled: bool
+# ------------------------------------------------------------ admin actions, engine side
+# The actions themselves (name, endpoint, body, undo) are kvops.schema.admin's table; each is bound here to
+# the handler that changes the engine. A handler runs on the step-loop thread and returns what to log.
+
+AdminHandler = Callable[..., dict[str, Any]]  # (engine, body, **path params) -> the fields logged
 
 
-class EvictionPolicyBody(BaseModel):
-    policy: str = Field(pattern="^(lru|lfu)$")
+def _set_normalization(engine: LLMEngine, body: NormalizationBody) -> dict[str, Any]:
+    engine.set_normalization(body.mode)
+    return {"knob": "normalize_prompts", "mode": body.mode}
 
 
-class NormalizationBody(BaseModel):
-    mode: str = Field(pattern="^(off|shadow|on)$")
+def _set_prefix_caching(engine: LLMEngine, body: PrefixCachingBody) -> dict[str, Any]:
+    engine.block_manager.set_prefix_caching(body.enabled)
+    return {"knob": "prefix_caching", "enabled": body.enabled}
 
 
-class TenantBody(BaseModel):
-    cache_salt: str | None = Field(default=None, max_length=256,
-                                   description="tenants with the same salt share prefix blocks; null = own salt")
-    quota_blocks: int | None = Field(default=None, description="most blocks the tenant may own; null = no quota")
+def _set_eviction_policy(engine: LLMEngine, body: EvictionPolicyBody) -> dict[str, Any]:
+    engine.block_manager.set_eviction_policy(body.policy)
+    return {"knob": "eviction_policy", "policy": body.policy}
+
+
+def _set_tenant(engine: LLMEngine, body: TenantBody, tenant: str) -> dict[str, Any]:
+    engine.set_tenant_quota(tenant, body.quota_blocks)
+    if body.cache_salt is None:
+        engine.tenant_salts.pop(tenant, None)
+    else:
+        engine.tenant_salts[tenant] = body.cache_salt
+    return {"knob": "tenant", "tenant": tenant, "cache_salt": body.cache_salt, "quota_blocks": body.quota_blocks}
+
+
+ADMIN_HANDLERS: dict[str, AdminHandler] = {
+    "set_normalization": _set_normalization,
+    "set_prefix_caching": _set_prefix_caching,
+    "set_eviction_policy": _set_eviction_policy,
+    "set_tenant_quota": _set_tenant,
+}
+
+
+def _int_list(text: str, field: str, example: str) -> list[int]:
+    """A comma-separated query parameter of integers; a 400 naming the field when it is not one."""
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise InvalidRequestError(f"{field} {text!r} is not a comma-separated list of integers, e.g. {example}",
+                                  field) from None
+
+
+def _route_path(action: AdminAction) -> str:
+    """The action's path with each field as a `path` converter: the server decodes %2F before routing,
+    so a quoted tenant name holding '/' would not match a plain `{tenant}` segment."""
+    return re.sub(r"\{(\w+)\}", r"{\1:path}", action.path)
 
 
 def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s: float = 30.0) -> FastAPI:
@@ -306,11 +352,11 @@ def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s
             return _error(403, "the admin token is wrong", None, "permission_error")
         return None
 
-    async def admin_change(authorization: str | None, change: Any, **logged: Any) -> JSONResponse:
+    async def admin_change(authorization: str | None, change: Callable[[], dict[str, Any]]) -> JSONResponse:
         denied = authorize(authorization)
         if denied is not None:
             return denied
-        await runner.run(change)
+        logged = await runner.run(change)
         log.info("admin change", **logged)
         return JSONResponse(await runner.run(engine.knobs))
 
@@ -319,36 +365,27 @@ def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s
         denied = authorize(authorization)
         return denied or JSONResponse(await runner.run(engine.knobs))
 
-    @app.put("/admin/prefix-caching")
-    async def admin_prefix_caching(body: PrefixCachingBody,
-                                   authorization: str | None = Header(default=None)) -> JSONResponse:
-        return await admin_change(authorization, lambda: engine.block_manager.set_prefix_caching(body.enabled),
-                                  knob="prefix_caching", enabled=body.enabled)
+    def admin_endpoint(action: AdminAction) -> Callable[..., Awaitable[JSONResponse]]:
+        handler = ADMIN_HANDLERS[action.name]
 
-    @app.put("/admin/eviction-policy")
-    async def admin_eviction_policy(body: EvictionPolicyBody,
-                                    authorization: str | None = Header(default=None)) -> JSONResponse:
-        return await admin_change(authorization, lambda: engine.block_manager.set_eviction_policy(body.policy),
-                                  knob="eviction_policy", policy=body.policy)
+        async def endpoint(**kwargs: Any) -> JSONResponse:
+            body, authorization = kwargs.pop("body"), kwargs.pop("authorization")
+            if not all(kwargs.values()):  # `{x:path}` also matches an empty segment, which names nothing
+                raise StarletteHTTPException(404, "Not Found")
+            return await admin_change(authorization, lambda: handler(engine, body, **kwargs))
 
-    @app.put("/admin/normalization")
-    async def admin_normalization(body: NormalizationBody,
-                                  authorization: str | None = Header(default=None)) -> JSONResponse:
-        return await admin_change(authorization, lambda: engine.set_normalization(body.mode),
-                                  knob="normalize_prompts", mode=body.mode)
+        # FastAPI reads the parameters (path fields, the body model, the header) from the signature.
+        keyword = inspect.Parameter.KEYWORD_ONLY
+        endpoint.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [inspect.Parameter(name, keyword, annotation=str) for name in action.path_params]
+            + [inspect.Parameter("body", keyword, annotation=action.body),
+               inspect.Parameter("authorization", keyword, annotation=str | None, default=Header(default=None))],
+            return_annotation=JSONResponse)
+        endpoint.__name__ = f"admin_{action.name}"
+        return endpoint
 
-    @app.put("/admin/tenants/{tenant}")
-    async def admin_tenant(tenant: str, body: TenantBody,
-                           authorization: str | None = Header(default=None)) -> JSONResponse:
-        def change() -> None:
-            engine.set_tenant_quota(tenant, body.quota_blocks)
-            if body.cache_salt is None:
-                engine.tenant_salts.pop(tenant, None)
-            else:
-                engine.tenant_salts[tenant] = body.cache_salt
-
-        return await admin_change(authorization, change, knob="tenant", tenant=tenant, cache_salt=body.cache_salt,
-                                  quota_blocks=body.quota_blocks)
+    for action in ADMIN_ACTIONS.values():
+        app.add_api_route(_route_path(action), admin_endpoint(action), methods=[action.method])
 
     @app.get("/admin/profile/kv-quant")
     async def admin_profile_kv_quant(
@@ -361,11 +398,7 @@ def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s
         denied = authorize(authorization)
         if denied is not None:
             return denied
-        try:
-            step_list = [int(x) for x in steps.split(",")] if steps else list(DEFAULT_STEPS)
-        except ValueError:
-            raise InvalidRequestError(f"steps {steps!r} is not a comma-separated list of integers, e.g. 10,50,100",
-                                      "steps") from None
+        step_list = _int_list(steps, "steps", "10,50,100") if steps else list(DEFAULT_STEPS)
         layers = parse_layers(skip_layers) if skip_layers is not None else None
         profile = await runner.run(lambda: profile_kv_error(engine, kv_cache_dtype, group_size, layers, step_list,
                                                             threshold))
@@ -383,11 +416,7 @@ def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s
         denied = authorize(authorization)
         if denied is not None:
             return denied
-        try:
-            sizes = [int(x) for x in candidates.split(",")] if candidates else list(DEFAULT_CANDIDATES)
-        except ValueError:
-            raise InvalidRequestError(f"candidates {candidates!r} is not a comma-separated list of integers, "
-                                      "e.g. 8,16,32,64", "candidates") from None
+        sizes = _int_list(candidates, "candidates", "8,16,32,64") if candidates else list(DEFAULT_CANDIDATES)
         profile = await runner.run(lambda: profile_block_size(engine, sizes, batch_size, repeats, max_context))
         log.info("block size profile", best=profile.best, configured=profile.configured,
                  batch_size=profile.batch_size, duration_s=profile.duration_s)

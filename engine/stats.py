@@ -1,4 +1,4 @@
-"""What the engine counts while it runs: the raw material of the snapshot."""
+"""What the engine counts while it runs: the raw material of the snapshot (`snapshot_builder.py` builds it)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvops.engine.shadow_cache import ShadowPrefixCache
-from kvops.schema.snapshot import Histogram, PrefixCacheStats, StepSample, SwapWindow
+from kvops.schema.snapshot import StepSample
 
 PROMPT_LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-
-
-def percentile(sorted_values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile of an already sorted list (None when empty)."""
-    if not sorted_values:
-        return None
-    rank = max(1, -(-len(sorted_values) * q // 100))
-    return sorted_values[int(rank) - 1]
 
 
 @dataclass
@@ -83,30 +74,12 @@ class EngineStats:
         self.steps.append(sample)
         self.generation_tokens_total += generated_tokens
 
-    def prefix_cache(self, evictions_total: int, normalization: str, shadow: ShadowPrefixCache,
-                     potential: ShadowPrefixCache | None = None) -> PrefixCacheStats:
+    def prefix_window_counts(self) -> tuple[int, int]:
+        """(prompt tokens queried, tokens hit) over the last `window_s` seconds."""
         cutoff = self.clock() - self.window_s
         while self._prefix_window and self._prefix_window[0][0] < cutoff:
             self._prefix_window.popleft()
-        window_queries = sum(q for _, q, _ in self._prefix_window)
-        window_hits = sum(h for _, _, h in self._prefix_window)
-        return PrefixCacheStats(
-            queries_total=self.prefix_queries_total,
-            hits_total=self.prefix_hits_total,
-            hit_rate=self.prefix_hits_total / self.prefix_queries_total if self.prefix_queries_total else 0.0,
-            window_s=self.window_s,
-            window_queries=window_queries,
-            window_hits=window_hits,
-            window_hit_rate=window_hits / window_queries if window_queries else 0.0,
-            evictions_total=evictions_total,
-            normalization=normalization,
-            shadow_queries_total=shadow.queries_total,
-            shadow_hits_total=shadow.hits_total,
-            shadow_hit_rate=shadow.hit_rate,
-            potential_queries_total=potential.queries_total if potential else 0,
-            potential_hits_total=potential.hits_total if potential else 0,
-            potential_hit_rate=potential.hit_rate if potential else 0.0,
-        )
+        return sum(q for _, q, _ in self._prefix_window), sum(h for _, _, h in self._prefix_window)
 
     def on_swap_counters(self, swap_out_total: int, swap_in_total: int, allocations_total: int) -> None:
         """Record the block manager's cumulative swap and allocation counters (after each step)."""
@@ -116,33 +89,18 @@ class EngineStats:
         if any(deltas):
             self._swap_window.append((self.clock(), *deltas))
 
-    def swap_window(self) -> SwapWindow:
-        """Swap activity over the last `window_s` seconds. The swap rate is blocks swapped out per
-        block allocated: 0 when preemption never swaps, 1 when every block handed out pushed one out."""
+    def swap_window_counts(self) -> tuple[int, int, int, float]:
+        """(blocks swapped out, blocks swapped in, block allocations) over the last `window_s` seconds,
+        and the seconds that window really spans (less than `window_s` just after start)."""
         now = self.clock()
         while self._swap_window and self._swap_window[0][0] < now - self.window_s:
             self._swap_window.popleft()
         out = sum(d[1] for d in self._swap_window)
         into = sum(d[2] for d in self._swap_window)
         allocations = sum(d[3] for d in self._swap_window)
-        span = max(min(self.window_s, now - self.started), 1e-9)
-        return SwapWindow(window_s=self.window_s, swap_out=out, swap_in=into, allocations=allocations,
-                          swap_out_per_s=out / span, swap_in_per_s=into / span,
-                          swap_rate=out / allocations if allocations else 0.0)
+        return out, into, allocations, max(min(self.window_s, now - self.started), 1e-9)
 
     def recent_prompt_lengths(self) -> list[int]:
         """The last `max_prompt_samples` prompt lengths, oldest first (the histogram's buckets are too coarse
         for anything that depends on lengths modulo a block size)."""
         return list(self._recent_prompt_lengths)
-
-    def prompt_lengths(self) -> Histogram:
-        recent = sorted(self._recent_prompt_lengths)
-        return Histogram(
-            buckets=list(PROMPT_LENGTH_BUCKETS),
-            counts=list(self.prompt_bucket_counts),
-            sum=float(self.prompt_length_sum),
-            count=self.prompt_length_count,
-            p50=percentile(recent, 50),
-            p95=percentile(recent, 95),
-            p99=percentile(recent, 99),
-        )

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,16 +103,22 @@ def _converted_gguf(gguf: Path, name: str) -> Path:
 
     hf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    write_directory(target, lambda staging: _save_plain(hf_model, tokenizer, staging))
+    return target
+
+
+def write_directory(target: Path, write: Callable[[Path], None]) -> None:
+    """Fill a directory beside `target` with `write`, then rename it into place: an interrupted
+    conversion never looks like a finished one, and readers never see a half-written directory."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _save_plain(hf_model, tokenizer, staging)
+        write(staging)
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 def _save_plain(hf_model: Any, tokenizer: Any, directory: Path) -> None:

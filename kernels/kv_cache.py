@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "int4")
+# Defined with the engine settings, which must import without torch; re-exported as kvops.kernels.KV_CACHE_DTYPES.
+from kvops.engine.config import KV_CACHE_DTYPES
 
 
 @dataclass

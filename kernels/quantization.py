@@ -1,11 +1,12 @@
 """KV quantization: pure quantize / dequantize functions over the last (head_dim) axis.
 
-Formats (DESIGN.md, "KV dtypes"):
+Formats (docs/kv-memory.md, "Quantized KV"):
 - int8: symmetric, one float32 scale per token and head (amax / 127).
 - fp8: e4m3 storage (`torch.float8_e4m3fn`) with one static float32 scale per layer for K and one for V
   (1.0, as vLLM uses when a checkpoint ships no scales); values beyond ±448 × scale saturate, which is
   how a layer with outlier keys loses accuracy.
-- int4: asymmetric, one scale and one zero point per group of 32 or 64 channels, two values per byte.
+- int4: asymmetric, one scale and one zero point per group of 32 or 64 channels
+  (`kvops.engine.config.INT4_GROUP_SIZES`), two values per byte.
   Scale and zero are bfloat16: their rounding (2^-9 relative) is small beside int4's step (1/15 of the
   group's range), and float32 would cost a quarter of the memory int4 saves.
 """
@@ -15,14 +16,13 @@ from __future__ import annotations
 import torch
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
-INT4_GROUP_SIZES = (32, 64)
-_TINY = 1e-12  # keeps an all-zero token-head from dividing by zero
+SCALE_FLOOR = 1e-12  # keeps an all-zero token-head from dividing by zero; the Triton kernels use it too
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., d] -> (int8 [..., d], float32 scale [...])."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1).clamp_min(_TINY) / 127.0
+    scale = xf.abs().amax(dim=-1).clamp_min(SCALE_FLOOR) / 127.0
     q = torch.round(xf / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
     return q, scale
 
@@ -51,7 +51,7 @@ def quantize_int4(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     # The stored zero is rounded down and the stored scale up, so the grid [zero, zero + 15 * scale]
     # still covers the group: no value is clipped and the error stays within half a step.
     zero = _round_bf16(low, down=True)
-    scale = _round_bf16(((high - zero.float()) / 15.0).clamp_min(_TINY), down=False)
+    scale = _round_bf16(((high - zero.float()) / 15.0).clamp_min(SCALE_FLOOR), down=False)
     q = torch.round((groups - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).clamp_(0, 15)
     q = q.to(torch.uint8).reshape(*x.shape[:-1], d // 2, 2)
     packed = q[..., 0] | (q[..., 1] << 4)

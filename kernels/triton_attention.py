@@ -35,6 +35,24 @@ def online_softmax_step(s, v, m, l, acc, DOT_PRECISION: tl.constexpr):  # noqa: 
 
 
 @triton.jit
+def attend_kv_tile(q, m, l, acc, pos, tok_mask, visible, table_ptr, block_size, kv_head, qk_scale,  # noqa: E741
+                   data_ptr, scale_ptr, zero_ptr, s_kv, s_slot, s_head, ss_kv, ss_slot, ss_head,
+                   KIND: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    """Fold the K/V at positions `pos` of one sequence (its block table row at `table_ptr`) into the
+    running softmax state; `visible` [rows, BLOCK_N] masks the scores (padding, and causality in prefill)."""
+    block = tl.load(table_ptr + pos // block_size, mask=tok_mask, other=0)
+    slots = block.to(tl.int64) * block_size + pos % block_size
+    k = load_kv_tile(data_ptr, scale_ptr, zero_ptr, 0, slots, kv_head, tok_mask,
+                     s_kv, s_slot, s_head, ss_kv, ss_slot, ss_head, KIND, HEAD_DIM, BLOCK_D, GROUP)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(visible, s, -float("inf"))
+    v = load_kv_tile(data_ptr, scale_ptr, zero_ptr, 1, slots, kv_head, tok_mask,
+                     s_kv, s_slot, s_head, ss_kv, ss_slot, ss_head, KIND, HEAD_DIM, BLOCK_D, GROUP)
+    return online_softmax_step(s, v.to(q.dtype), m, l, acc, DOT_PRECISION)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, out_ptr, lse_ptr, data_ptr, scale_ptr, zero_ptr, tables_ptr, lens_ptr,
     qk_scale, tokens_per_split, block_size,
@@ -69,15 +87,10 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         tok_mask = pos < end
-        block = tl.load(tables_ptr + seq * s_tb + pos // block_size, mask=tok_mask, other=0)
-        slots = block.to(tl.int64) * block_size + pos % block_size
-        k = load_kv_tile(data_ptr, scale_ptr, zero_ptr, 0, slots, kv_head, tok_mask,
-                         s_kv, s_slot, s_head, ss_kv, ss_slot, ss_head, KIND, HEAD_DIM, BLOCK_D, GROUP)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(tok_mask[None, :], s, -float("inf"))
-        v = load_kv_tile(data_ptr, scale_ptr, zero_ptr, 1, slots, kv_head, tok_mask,
-                         s_kv, s_slot, s_head, ss_kv, ss_slot, ss_head, KIND, HEAD_DIM, BLOCK_D, GROUP)
-        m, l, acc = online_softmax_step(s, v.to(q.dtype), m, l, acc, DOT_PRECISION)  # noqa: E741
+        m, l, acc = attend_kv_tile(  # noqa: E741
+            q, m, l, acc, pos, tok_mask, tok_mask[None, :], tables_ptr + seq * s_tb, block_size, kv_head, qk_scale,
+            data_ptr, scale_ptr, zero_ptr, s_kv, s_slot, s_head, ss_kv, ss_slot, ss_head,
+            KIND, HEAD_DIM, BLOCK_D, GROUP, DOT_PRECISION)
     # A split past the end of a short sequence saw no token: it weighs zero in the merge.
     has = l > 0
     out = acc / tl.where(has, l, 1.0)[:, None]
@@ -145,15 +158,11 @@ def _prefill_kernel(
     for n0 in range(0, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         tok_mask = pos < kv_end
-        block = tl.load(tables_ptr + span * s_tb + pos // block_size, mask=tok_mask, other=0)
-        slots = block.to(tl.int64) * block_size + pos % block_size
-        k = load_kv_tile(data_ptr, scale_ptr, zero_ptr, 0, slots, kv_head, tok_mask,
-                         s_kv, s_slot, s_head, ss_kv, ss_slot, ss_head, KIND, HEAD_DIM, BLOCK_D, GROUP)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(tok_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, -float("inf"))
-        v = load_kv_tile(data_ptr, scale_ptr, zero_ptr, 1, slots, kv_head, tok_mask,
-                         s_kv, s_slot, s_head, ss_kv, ss_slot, ss_head, KIND, HEAD_DIM, BLOCK_D, GROUP)
-        m, l, acc = online_softmax_step(s, v.to(q.dtype), m, l, acc, DOT_PRECISION)  # noqa: E741
+        causal = tok_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        m, l, acc = attend_kv_tile(  # noqa: E741
+            q, m, l, acc, pos, tok_mask, causal, tables_ptr + span * s_tb, block_size, kv_head, qk_scale,
+            data_ptr, scale_ptr, zero_ptr, s_kv, s_slot, s_head, ss_kv, ss_slot, ss_head,
+            KIND, HEAD_DIM, BLOCK_D, GROUP, DOT_PRECISION)
     out = acc / l[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * s_ot + head * s_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_d[None, :] < HEAD_DIM))

@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from kvops.kernels.kv_cache import KVCacheLayer
-from kvops.kernels.quantization import FP8_MAX
-from kvops.kernels.triton_common import _TINY, cache_args, encode_e4m3, round_bf16, round_half_even
+from kvops.kernels.quantization import FP8_MAX, SCALE_FLOOR
+from kvops.kernels.triton_common import cache_args, encode_e4m3, round_bf16, round_half_even
 
 
 @triton.jit
@@ -112,5 +112,5 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, layer: KVCacheLayer, slot_m
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *cache.strides, *cache.scale_strides,
         KIND=cache.kind, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), GROUP=group,
-        BLOCK_G=triton.next_power_of_2(max(head_dim // group, 1)), FP8_LIMIT=FP8_MAX, TINY=_TINY,
+        BLOCK_G=triton.next_power_of_2(max(head_dim // group, 1)), FP8_LIMIT=FP8_MAX, TINY=SCALE_FLOOR,
     )

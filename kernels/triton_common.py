@@ -20,7 +20,6 @@ from kvops.kernels.kv_cache import KVCacheLayer
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 KIND_CODES = {"auto": 0, "int8": 1, "fp8": 2, "int4": 3}
-_TINY = 1e-12  # the same floor on a scale as quantization.py
 
 
 @dataclass(frozen=True)

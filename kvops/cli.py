@@ -146,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_doctor_args(doctor)
     doctor.set_defaults(handler=_doctor)
 
+    commands.add_parser("vllm", help="install vLLM's CPU build and the shipped model for it (`kvops vllm setup`, "
+                        "see docs/vllm.md)", add_help=False)
     commands.add_parser("scenario", help="reproduce each diagnosis on the real engine (`kvops scenario list`)",
                         add_help=False)
     commands.add_parser("bench", help="benchmark the engine against transformers (`kvops bench --help`), the KV "
@@ -159,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
+    if argv[:1] == ["vllm"]:
+        from kvops.vllm.cli import main as vllm_main
+
+        return vllm_main(argv[1:])
     if argv[:1] == ["scenario"]:
         from kvops.scenarios.cli import main as scenario_main
 

@@ -44,13 +44,19 @@ class FakeSupervisor:
                   description="cap bob at 200 blocks")
         self.diags = [
             Diagnosis(rule="noisy_tenant", engine="gpu-a", subject="bob", severity=Severity.WARNING,
-                      title="A tenant evicts the others", summary="bob caused 70 evictions",
+                      title="A tenant evicts the others",
+                      summary=("bob caused 70 evictions of other tenants' blocks in 60 s with a 20% hit rate of its "
+                               "own; victims (alice, carol) lost 35% hit rate"),
                       evidence={"evictions_caused": 70}, fix=fix),
             Diagnosis(rule="low_hit_rate", engine="gpu-b", severity=Severity.INFO, title="Low hit rate",
                       summary="hit rate 20%", evidence={"hit_rate": 0.2}),
         ]
-        self.entries = [AuditEntry(id=7, time=T0 - 5, engine="gpu-a", rule="noisy_tenant", subject="bob",
-                                   action="applied", fix=fix, message="quota set")]
+        # With the `suggest` policy the supervisor records "proposed" again each time a diagnosis
+        # resolves and comes back: the same proposal three times, then the fix applied.
+        proposed = [AuditEntry(id=4 + i, time=T0 - 40 + 10 * i, engine="gpu-a", rule="noisy_tenant", subject="bob",
+                               action="proposed", fix=fix) for i in range(3)]
+        self.entries = [*proposed, AuditEntry(id=7, time=T0 - 5, engine="gpu-a", rule="noisy_tenant", subject="bob",
+                                              action="applied", fix=fix, message="quota set")]
 
     def _check(self) -> None:
         if self.down:

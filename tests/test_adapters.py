@@ -178,7 +178,7 @@ def test_kvops_run_and_top_watch_a_vllm_server(fake_vllm, tmp_path):
     import httpx
     from waiting import wait_for
 
-    from kvops.supervisor.managed_engine import free_port
+    from kvops.processes import free_port
 
     listen = f"127.0.0.1:{free_port('127.0.0.1')}"
     env = {k: v for k, v in os.environ.items() if k != "KVOPS_ADMIN_TOKEN"}

@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from alerting_outbox import outbox_rows
 from pydantic import ValidationError
 
 from kvops.alerting import Alerter, AlertingConfig, AlertingConfigError, AlertState, ReceiverConfig, verify_signature
-from kvops.alerting.alerter import STATE_FILE, backoff_s
+from kvops.alerting.alerter import backoff_s
 from kvops.alerting.config import resolve_receivers
 from kvops.alerting.lifecycle import AlertLifecycle, alert_labels, fingerprint
-from kvops.alerting.outbox import Outbox, OutboxRow
+from kvops.alerting.outbox import Outbox
 from kvops.alerting.payloads import ZERO_TIME
 from kvops.alerting.receivers import sign
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity
@@ -62,16 +63,8 @@ def config(**overrides: Any) -> AlertingConfig:
     return AlertingConfig.model_validate(settings)
 
 
-def rows(state_dir: Path) -> list[OutboxRow]:
-    outbox = Outbox(state_dir / STATE_FILE)
-    try:
-        return outbox.rows()
-    finally:
-        outbox.close()
-
-
 def payloads(state_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(r.payload) for r in rows(state_dir)]
+    return [json.loads(r.payload) for r in outbox_rows(state_dir)]
 
 
 @pytest.fixture
@@ -98,7 +91,7 @@ def test_pending_then_firing_after_for(make_alerter, tmp_path: Path) -> None:
     assert alert.state is AlertState.PENDING and alert.active_at == T0
     alerter.evaluate([diagnosis()], now=T0 + 29.9)
     assert alerter.active_alerts()[0].state is AlertState.PENDING
-    assert rows(tmp_path) == []
+    assert outbox_rows(tmp_path) == []
     alerter.evaluate([diagnosis()], now=T0 + 30)
     (alert,) = alerter.active_alerts()
     assert alert.state is AlertState.FIRING and alert.fired_at == T0 + 30
@@ -120,7 +113,7 @@ def test_pending_alert_that_disappears_is_dropped_silently(make_alerter, tmp_pat
     alerter.evaluate([], now=T0 + 20)
     alerter.evaluate([], now=T0 + 200)
     assert alerter.active_alerts() == []
-    assert rows(tmp_path) == []
+    assert outbox_rows(tmp_path) == []
 
 
 def test_resolved_with_ends_at_and_refire_is_a_new_alert(make_alerter, tmp_path: Path) -> None:
@@ -185,7 +178,7 @@ def test_same_rule_same_engine_grouped_after_group_wait(make_alerter, tmp_path: 
     alerter.evaluate(tenants[:1], now=T0)
     alerter.evaluate(tenants, now=T0 + 3)
     alerter.evaluate([*tenants, diagnosis(engine="e2")], now=T0 + 9.9)
-    assert rows(tmp_path) == []
+    assert outbox_rows(tmp_path) == []
     alerter.evaluate([*tenants, diagnosis(engine="e2")], now=T0 + 10)
     (notification,) = payloads(tmp_path)  # e2's group started at 9.9 and still waits
     assert [a["labels"]["subject"] for a in notification["alerts"]] == ["a", "b"]
@@ -204,12 +197,12 @@ def test_group_interval_batches_changes_and_repeat_interval_resends(make_alerter
     alerter.evaluate([a, b], now=T0 + 20)
     alerter.evaluate([a, b, c], now=T0 + 40)
     alerter.evaluate([a, b, c], now=T0 + 69)
-    assert len(rows(tmp_path)) == 1  # changes wait for the group's interval
+    assert len(outbox_rows(tmp_path)) == 1  # changes wait for the group's interval
     alerter.evaluate([a, b, c], now=T0 + 70)
     assert [len(p["alerts"]) for p in payloads(tmp_path)] == [1, 3]  # both changes in one notification
     for t in range(71, 370, 10):  # unchanged: nothing until repeat_interval since the last notification
         alerter.evaluate([a, b, c], now=T0 + t)
-    assert len(rows(tmp_path)) == 2
+    assert len(outbox_rows(tmp_path)) == 2
     alerter.evaluate([a, b, c], now=T0 + 371)  # the first group tick 300 s after the last notification
     assert [len(p["alerts"]) for p in payloads(tmp_path)] == [1, 3, 3]
     alerter.evaluate([b, c], now=T0 + 380)
@@ -226,7 +219,7 @@ def test_fired_and_resolved_before_group_wait_is_never_sent(make_alerter, tmp_pa
     alerter.evaluate([diagnosis()], now=T0)
     alerter.evaluate([], now=T0 + 5)
     alerter.evaluate([], now=T0 + 11)
-    assert rows(tmp_path) == []
+    assert outbox_rows(tmp_path) == []
 
 
 def test_send_resolved_false_gets_firing_only(make_alerter, tmp_path: Path) -> None:
@@ -235,7 +228,7 @@ def test_send_resolved_false_gets_firing_only(make_alerter, tmp_path: Path) -> N
     alerter = make_alerter(config(receivers=receivers, group_wait_s=0))
     alerter.evaluate([diagnosis()], now=T0)
     alerter.evaluate([], now=T0 + 60)
-    assert [(r.receiver, json.loads(r.payload)["status"]) for r in rows(tmp_path)] == [
+    assert [(r.receiver, json.loads(r.payload)["status"]) for r in outbox_rows(tmp_path)] == [
         ("ops", "firing"), ("pager", "firing"), ("ops", "resolved")
     ]
 
@@ -285,14 +278,14 @@ def test_restarted_alerter_resumes_without_renotifying(make_alerter, tmp_path: P
     first.evaluate([diagnosis(), diagnosis(engine="e2")], now=T0 + 40)
     first.evaluate([diagnosis(), diagnosis(engine="e2"), diagnosis(engine="e3")], now=T0 + 45)  # pending
     first.stop(flush_timeout_s=0)
-    assert len(rows(tmp_path)) == 2
+    assert len(outbox_rows(tmp_path)) == 2
 
     second = make_alerter(config(default_for_s=30))
     assert [(a.labels["engine"], a.state) for a in second.active_alerts()] == [
         ("e1", AlertState.FIRING), ("e2", AlertState.FIRING), ("e3", AlertState.PENDING)
     ]
     second.evaluate([diagnosis(), diagnosis(engine="e2"), diagnosis(engine="e3")], now=T0 + 74)
-    assert len(rows(tmp_path)) == 2  # not announced again; e3 kept its first-seen time (45)...
+    assert len(outbox_rows(tmp_path)) == 2  # not announced again; e3 kept its first-seen time (45)...
     second.evaluate([diagnosis(engine="e2"), diagnosis(engine="e3")], now=T0 + 100)  # ...so it fires now
     second.evaluate([diagnosis(engine="e2"), diagnosis(engine="e3")], now=T0 + 110)
     statuses = [(p["groupLabels"]["engine"], p["status"]) for p in payloads(tmp_path)]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,12 +20,12 @@ from typing import Any
 
 import pytest
 import structlog
+from alerting_outbox import outbox_rows
 from pydantic import BaseModel, ConfigDict
 
 from kvops.alerting import SIGNATURE_HEADER, Alerter, AlertingConfig, verify_signature
-from kvops.alerting.alerter import STATE_FILE
-from kvops.alerting.outbox import Outbox, OutboxRow
 from kvops.logs import configure_logging
+from kvops.processes import free_port
 from kvops.schema.diagnosis import Diagnosis, Severity
 
 EXTERNAL_URL = "http://kvops.example:9400"
@@ -96,12 +95,6 @@ class Receiver:
             self._server = None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -124,14 +117,6 @@ def fast_config(receivers: list[dict[str, Any]], **overrides: Any) -> AlertingCo
         **overrides,
     }
     return AlertingConfig.model_validate(settings)
-
-
-def outbox_rows(state_dir: Path) -> list[OutboxRow]:
-    outbox = Outbox(state_dir / STATE_FILE)
-    try:
-        return outbox.rows()
-    finally:
-        outbox.close()
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Unit tests of the block manager: behaviour a user of the engine would notice.
 
-See DESIGN.md, "Block states", "Prefix caching" and "Eviction".
+See docs/engine.md, "Block states", "Prefix caching" and "Eviction".
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from kvops.engine.block import BlockState
 from kvops.engine.block_manager import BlockManager
 from kvops.engine.eviction import LFU
 from kvops.engine.hashing import block_hashes
-from kvops.engine.invariants import check_invariants
+from kvops.engine.invariants import check_invariants, fingerprint
+from kvops.engine.snapshot_builder import blocks_held, owner_map
 
 FREE, FILLING, FULL, CACHED, PENDING = (
     BlockState.FREE,
@@ -65,22 +66,6 @@ def states(bm: BlockManager, block_ids: Sequence[int]) -> list[BlockState]:
     return [bm.blocks[b].state for b in block_ids]
 
 
-def snapshot(bm: BlockManager) -> tuple:
-    return (
-        bm.state_map(),
-        {s: c for s, c in bm.state_counts.items() if c},
-        list(bm.free_queue),
-        list(bm.pending_free),
-        dict(bm.cached),
-        {k: (list(v.block_ids), v.num_full, list(v.hashes)) for k, v in bm.seqs.items()},
-        [(b.ref_count, b.hash, b.owner) for b in bm.blocks],
-        sorted(b.block_id for b in bm.evictor.blocks()),
-        len(bm.evictor),
-        {t: (s.evictions_caused, s.evictions_suffered) for t, s in bm.tenants.items()},
-        bm.evictions_total,
-    )
-
-
 # ----------------------------------------------------------------- construction
 
 
@@ -107,12 +92,12 @@ def test_fresh_pool_is_all_free():
 def test_duplicate_sequence_id_is_refused():
     bm, _ = make(4, 2)
     start(bm, "a", [1, 2, 3])
-    before = snapshot(bm)
+    before = fingerprint(bm)
     with pytest.raises(ValueError):
         bm.allocate("a", 2)
     with pytest.raises(ValueError):
         bm.fork("a", "a")
-    assert snapshot(bm) == before
+    assert fingerprint(bm) == before
 
 
 # --------------------------------------------------------------- prefix caching
@@ -154,9 +139,9 @@ def test_lookup_returns_hashes_of_every_full_block():
 def test_lookup_changes_nothing():
     bm, _ = make(4, 2)
     run(bm, "a", [1, 2, 3, 4, 5])
-    before = snapshot(bm)
+    before = fingerprint(bm)
     assert len(bm.lookup([1, 2, 3, 4, 5], None)[0]) == 2
-    assert snapshot(bm) == before
+    assert fingerprint(bm) == before
 
 
 def test_hit_blocks_are_reused_not_copied():
@@ -300,8 +285,8 @@ def test_blocks_held_and_owner_map_follow_tenants():
     bm, _ = make(6, 2)
     start(bm, "a1", [1, 2, 3], tenant="a", salt="sa")
     start(bm, "b1", [1, 2, 3, 4, 5], tenant="b", salt="sb")
-    assert bm.blocks_held() == {"a": 2, "b": 3}
-    owners = bm.owner_map()
+    assert blocks_held(bm) == {"a": 2, "b": 3}
+    owners = owner_map(bm)
     assert sorted(o for o in owners if o) == ["a", "a", "b", "b", "b"]
     assert owners.count(None) == 1
 
@@ -652,9 +637,9 @@ def test_fork_of_a_sequence_with_only_full_blocks_copies_nothing():
 def test_fork_without_room_changes_nothing():
     bm, _ = make(3, 4)
     start(bm, "p", list(range(10)))
-    before = snapshot(bm)
+    before = fingerprint(bm)
     assert bm.fork("p", "c") is None
-    assert snapshot(bm) == before
+    assert fingerprint(bm) == before
     assert "c" not in bm.seqs
 
 
@@ -719,9 +704,9 @@ def test_reenabling_prefix_caching_mid_sequence_hashes_later_blocks_correctly():
 
 def test_allocation_is_all_or_nothing():
     bm, _ = make(4, 2)
-    before = snapshot(bm)
+    before = fingerprint(bm)
     assert not bm.allocate("big", 9)  # five blocks
-    assert snapshot(bm) == before
+    assert fingerprint(bm) == before
     assert "big" not in bm.seqs
     assert bm.allocate("fits", 8)
     check_invariants(bm)
@@ -735,9 +720,9 @@ def test_allocation_counts_hit_blocks_as_taken_from_the_cache():
     tokens = [*base, 7, 8, 9, 10]  # five blocks: three hits + two new, but only one block is really free
     hits, hashes = bm.lookup(tokens, None)
     assert len(hits) == 3
-    before = snapshot(bm)
+    before = fingerprint(bm)
     assert not bm.allocate("b", len(tokens), hit_block_ids=hits, hashes=hashes)
-    assert snapshot(bm) == before
+    assert fingerprint(bm) == before
     tokens = [*base, 7, 8]  # four blocks: three hits + one new
     hits, hashes = bm.lookup(tokens, None)
     assert bm.allocate("b", len(tokens), hit_block_ids=hits, hashes=hashes)
@@ -749,11 +734,11 @@ def test_append_slots_is_all_or_nothing():
     bm, _ = make(4, 2)
     start(bm, "a", [1, 2, 3])
     start(bm, "b", [4])
-    before = snapshot(bm)
+    before = fingerprint(bm)
     assert not bm.append_slots("a", 7)  # needs two more blocks, one is free
-    assert snapshot(bm) == before
+    assert fingerprint(bm) == before
     assert bm.append_slots("a", 4)  # covered already
-    assert snapshot(bm) == before
+    assert fingerprint(bm) == before
     assert bm.append_slots("a", 5)
     assert len(bm.block_table("a")) == 3
     assert bm.state_map().count(".") == 0

@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvops.engine.block import BlockState
 from kvops.engine.block_manager import DEFAULT_TENANT, BlockManager
 from kvops.engine.hashing import block_hashes
-from kvops.engine.invariants import check_invariants
+from kvops.engine.invariants import check_invariants, fingerprint
 
 VOCAB = 3  # a tiny vocabulary so that prefixes repeat
 MAX_LEN = 20
@@ -79,27 +79,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
         return f"s{self.next_id}"
 
-    def _snapshot(self) -> tuple:
-        bm = self.bm
-        return (
-            bm.state_map(),
-            {s: c for s, c in bm.state_counts.items() if c},
-            list(bm.free_queue),
-            list(bm.pending_free),
-            dict(bm.cached),
-            {k: (list(v.block_ids), v.num_full, list(v.hashes)) for k, v in bm.seqs.items()},
-            [(b.ref_count, b.hash, b.owner, b.depth, b.last_access, b.freq) for b in bm.blocks],
-            sorted(b.block_id for b in bm.evictor.blocks()),
-            len(bm.evictor),
-            {t: (s.evictions_caused, s.evictions_suffered) for t, s in bm.tenants.items()},
-            bm.evictions_total,
-            bm.host_state_map(),
-            list(bm.host_free_queue),
-            {k: (list(v.block_ids), v.num_full, list(v.hashes)) for k, v in bm.swapped.items()},
-            [(b.ref_count, b.hash, b.owner, b.depth) for b in bm.host_blocks],
-            (bm.allocations_total, bm.swap_out_blocks_total, bm.swap_in_blocks_total, bm.swap_in_reused_total),
-        )
-
     def _count(self, *wanted: BlockState) -> int:
         return sum(1 for b in self.bm.blocks if b.state in wanted)
 
@@ -128,9 +107,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def _checked_lookup(self, tokens: list[int], salt: str | None) -> tuple[list[int], list[bytes]]:
         bm = self.bm
-        before = self._snapshot()
+        before = fingerprint(self.bm)
         hits, hashes = bm.lookup(tokens, salt)
-        assert self._snapshot() == before, "lookup changed the block manager"
+        assert fingerprint(self.bm) == before, "lookup changed the block manager"
         if not bm.enable_prefix_caching:
             assert (hits, hashes) == ([], [])
             return hits, hashes
@@ -235,13 +214,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
             1 for b in bm.blocks if b.state is CACHED and b.block_id not in hits
         )
         ctx = self._eviction_context()
-        before = self._snapshot()
+        before = fingerprint(self.bm)
         seq_id = self._new_id()
         ok = bm.allocate(seq_id, covered, tenant=tenant, salt=salt, hit_block_ids=hits, hashes=hashes)
         assert ok == (needed <= available), f"allocate said {ok} with {needed} needed, {available} available"
         if not ok:
             event("allocation refused")
-            assert self._snapshot() == before, "a rejected allocation changed state"
+            assert fingerprint(self.bm) == before, "a rejected allocation changed state"
             return None
         table = bm.block_table(seq_id)
         assert len(table) == ceil_div(covered, bm.block_size)
@@ -313,11 +292,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         needed = max(0, ceil_div(target, bm.block_size) - len(table))
         available = self._count(FREE, PENDING, CACHED)
         ctx = self._eviction_context()
-        before = self._snapshot()
+        before = fingerprint(self.bm)
         ok = bm.append_slots(seq_id, target)
         assert ok == (needed <= available)
         if not ok or needed == 0:
-            assert self._snapshot() == before, "a refused or empty append changed state"
+            assert fingerprint(self.bm) == before, "a refused or empty append changed state"
             if not ok:
                 event("append refused")
             else:
@@ -353,12 +332,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         partial = ptable[num_full:]
         available = self._count(FREE, PENDING, CACHED)
         ctx = self._eviction_context()
-        before = self._snapshot()
+        before = fingerprint(self.bm)
         child_id = self._new_id()
         copies = bm.fork(parent_id, child_id)
         if len(partial) > available:
             assert copies is None
-            assert self._snapshot() == before, "a rejected fork changed state"
+            assert fingerprint(self.bm) == before, "a rejected fork changed state"
             return
         assert copies is not None
         ctable = bm.block_table(child_id)
@@ -437,14 +416,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         num_full = real.num_full
         owners = [bm.blocks[b].owner for b in real.block_ids]
         device_hashes = [bm.blocks[b].hash for b in real.block_ids]
-        free_host = list(bm.host_free_queue)
-        before = self._snapshot()
+        free_host = list(bm.host_pool.free_queue)
+        before = fingerprint(self.bm)
         if len(real.block_ids) > len(free_host):
             event("swap-out refused: host pool full")
             assert not bm.can_swap_out(seq_id)
             with pytest.raises(ValueError):
                 bm.swap_out(seq_id)
-            assert self._snapshot() == before, "a refused swap-out changed state"
+            assert fingerprint(self.bm) == before, "a refused swap-out changed state"
             return
         assert bm.can_swap_out(seq_id)
         released = self._releasing(seq_id)
@@ -460,7 +439,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert host.block_ids == host_ids
         assert (host.tenant, host.salt, host.num_full) == (seq.tenant, seq.salt, num_full)
         for index, host_id in enumerate(host_ids):
-            block = bm.host_blocks[host_id]
+            block = bm.host_pool.blocks[host_id]
             assert (block.state, block.ref_count, block.depth, block.owner) == (SWAPPED, 1, index, owners[index])
             if device_hashes[index] is not None:
                 assert block.hash == device_hashes[index]
@@ -473,10 +452,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self._check_released(released, aborted=False)
         self._purge()
         self.swapped[seq_id] = self.seqs.pop(seq_id)
-        refused = self._snapshot()
+        refused = fingerprint(self.bm)
         with pytest.raises(ValueError):
             bm.fork(seq_id, self._new_id())
-        assert self._snapshot() == refused, "forking a swapped sequence changed state"
+        assert fingerprint(self.bm) == refused, "forking a swapped sequence changed state"
 
     @precondition(lambda self: self.swapped)
     @rule(data=st.data())
@@ -490,7 +469,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         host = bm.swapped[seq_id]
         host_ids = list(host.block_ids)
         num_full = host.num_full
-        host_hashed = [bm.host_blocks[h].hash is not None for h in host_ids]
+        host_hashed = [bm.host_pool.blocks[h].hash is not None for h in host_ids]
         num_blocks = max(len(host_ids), ceil_div(target, bm.block_size))
         self._purge()
         reused: dict[int, int] = {}
@@ -506,12 +485,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         )
         refs = {b: bm.blocks[b].ref_count for b in reused.values()}
         ctx = self._eviction_context()
-        before = self._snapshot()
+        before = fingerprint(self.bm)
         copies = bm.swap_in(seq_id, target)
         if needed > available:
             event("swap-in refused")
             assert copies is None
-            assert self._snapshot() == before, "a refused swap-in changed state"
+            assert fingerprint(self.bm) == before, "a refused swap-in changed state"
             return
         assert copies is not None
         event("swapped in")
@@ -526,7 +505,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert all(bm.blocks[b].owner == seq.tenant for b in fresh)
         assert [bm.blocks[b].state for b in table] == [FULL] * num_full + [FILLING] * (num_blocks - num_full)
         assert bm.seqs[seq_id].num_full == num_full
-        assert all(bm.host_blocks[h].state is FREE for h in host_ids)
+        assert all(bm.host_pool.blocks[h].state is FREE for h in host_ids)
         assert seq_id not in bm.swapped
         self._check_evictions(ctx, seq.tenant, list(reused.values()), needed, fresh)
         # New blocks go FULL at once, so what an evicted one held before must be forgotten here.
@@ -548,10 +527,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         bm = self.bm
         seq_id = self._pick(data, self.swapped)
         host_ids = list(bm.swapped[seq_id].block_ids)
-        device = self._snapshot()[:11]
+        device = fingerprint(self.bm, host=False)
         bm.drop_swapped(seq_id)
-        assert self._snapshot()[:11] == device
-        assert all(bm.host_blocks[h].state is FREE for h in host_ids)
+        assert fingerprint(self.bm, host=False) == device
+        assert all(bm.host_pool.blocks[h].state is FREE for h in host_ids)
         assert seq_id not in bm.swapped
         del self.swapped[seq_id]
 
@@ -587,13 +566,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         bm = self.bm
         was = bm.enable_prefix_caching
         cached = [b.block_id for b in bm.blocks if b.state is CACHED]
-        before = self._snapshot()
+        before = fingerprint(self.bm)
         bm.set_prefix_caching(enabled)
         assert bm.enable_prefix_caching == enabled
         if enabled:
             if not was:
                 assert not bm.cached
-            assert self._snapshot() == before
+            assert fingerprint(self.bm) == before
         else:
             self.model_cached.clear()
             assert not bm.cached
@@ -631,7 +610,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert not bm.cached and not bm.pending_free and not len(bm.evictor)
         assert all(b.ref_count == 0 and b.hash is None for b in bm.blocks)
         assert bm.host_state_map() == "." * bm.num_host_blocks and not bm.swapped
-        assert len(bm.host_free_queue) == bm.num_host_blocks
+        assert len(bm.host_pool.free_queue) == bm.num_host_blocks
         self._purge()
         assert not self.content and not self.model_cached
 

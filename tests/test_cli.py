@@ -39,3 +39,32 @@ def test_bad_settings_exit_2_with_a_message_not_a_traceback(args, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_every_engine_setting_has_a_flag_that_round_trips():
+    import argparse
+
+    from kvops.engine.args import ENGINE_SETTINGS, add_engine_args, engine_config_from_args, engine_flags
+    from kvops.engine.config import EngineConfig, flag_name
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    flags = {option for action in parser._actions for option in action.option_strings}
+    assert {flag_name(name) for name in ENGINE_SETTINGS} <= flags
+    assert "--no-enable-prefix-caching" in flags
+    assert engine_config_from_args(parser.parse_args([])) == EngineConfig()
+    # A value other than the default for every setting (a new setting must be added here).
+    settings = {"model": "/models/x", "dtype": "bfloat16", "block_size": 32, "kv_cache_memory": "1GiB",
+                "max_model_len": 1024, "max_num_seqs": 8, "max_num_batched_tokens": 512,
+                "enable_prefix_caching": False, "eviction_policy": "lfu", "normalize_prompts": "shadow", "seed": 7,
+                "kv_cache_dtype": "int4", "kv_cache_group_size": 64, "kv_cache_dtype_skip_layers": [0, 5],
+                "swap_space": "1GiB", "preemption_mode": "swap", "debug_scale_k": "3:1000"}
+    assert tuple(settings) == ENGINE_SETTINGS
+    config = engine_config_from_args(parser.parse_args(engine_flags(settings)))
+    assert config == EngineConfig(**settings)
+    assert all(getattr(config, name) != getattr(EngineConfig(), name) for name in ENGINE_SETTINGS)
+
+
+def test_the_engine_flags_import_without_torch():
+    code = "import sys, kvops.engine.args, kvops.engine.errors; assert 'torch' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60).returncode == 0

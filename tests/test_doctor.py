@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvops.supervisor.managed_engine import free_port
+from kvops.processes import free_port
 
 FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
 TOKEN = "doctor-test-token"

@@ -12,8 +12,9 @@ from fastapi.testclient import TestClient
 
 from kvops.engine.server import build_app
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
+from kvops.supervisor.audit import AuditLog
 from kvops.supervisor.engine_client import EngineClient
-from kvops.supervisor.fixes import AuditLog, FixError, FixManager
+from kvops.supervisor.fixes import FixError, FixManager
 
 
 @pytest.fixture
@@ -104,6 +105,34 @@ def test_tenant_quota_fix_keeps_the_tenants_cache_salt(tmp_path: Path, client: E
     fixes.consider([diagnosis], lambda rule: "auto", lambda engine: (client, None))  # no better: roll back
     knobs = client.knobs()
     assert knobs["tenant_quotas"] == {} and knobs["tenant_salts"] == {"batch": "shared"}
+
+
+def test_tenant_names_with_a_slash_or_a_space_reach_the_engine_whole(tmp_path: Path, client: EngineClient):
+    tenant = "team/a b"  # quoted by the client into one path segment, decoded by the engine
+    fixes, now = _manager(tmp_path)
+    quota = Fix(kind=FixKind.ADMIN, action="set_tenant_quota", params={"tenant": tenant, "quota_blocks": 96},
+                description="cap")
+    diagnosis = Diagnosis(rule="tenant_pollution", engine="default", subject=tenant, severity=Severity.WARNING,
+                          title="t", summary="s", evidence={"victim_evictions_suffered_per_s": 5.0}, fix=quota,
+                          verification=Verification(evidence_key="victim_evictions_suffered_per_s", better="lower"))
+    fixes.consider([diagnosis], lambda rule: "auto", lambda engine: (client, None))
+    assert client.knobs()["tenant_quotas"] == {tenant: 96}
+    now[0] += 61
+    fixes.consider([diagnosis], lambda rule: "auto", lambda engine: (client, None))  # no better: roll back
+    assert client.knobs()["tenant_quotas"] == {}
+    assert [e.action for e in fixes.audit.entries] == ["applied", "rolled_back"]
+
+
+def test_unknown_admin_actions_and_bad_params_fail_before_anything_is_sent(tmp_path: Path, client: EngineClient):
+    fixes, _ = _manager(tmp_path)
+    unknown = Fix(kind=FixKind.ADMIN, action="set_everything", params={}, description="?")
+    with pytest.raises(FixError, match="unknown admin action 'set_everything'"):
+        fixes.apply(_diagnosis(0.2, unknown), client, None)
+    bad = Fix(kind=FixKind.ADMIN, action="set_normalization", params={"mode": "loud"}, description="?")
+    with pytest.raises(FixError, match="mode"):
+        fixes.apply(_diagnosis(0.2, bad), client, None)
+    assert client.knobs()["normalize_prompts"] == "off"
+    assert [e.action for e in fixes.audit.entries] == ["failed", "failed"]
 
 
 def test_fixes_kvops_cannot_apply_are_refused_with_the_reason(tmp_path: Path, client: EngineClient):

@@ -6,7 +6,6 @@ import itertools
 import json
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ from kvops.loadgen import (
     start_load,
 )
 from kvops.loadgen.runner import Runner
+from kvops.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -226,15 +226,9 @@ def test_trace_replay(tmp_path: Path, builder: PromptBuilder) -> None:
 # ---------------------------------------------------------------------------------------------- engine
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def engine() -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvops", "engine", "serve", "--port", str(port), "--kv-cache-memory", "64MiB",
          "--max-model-len", "1024"],
@@ -339,7 +333,7 @@ def test_stop_ends_a_run_early(engine: str) -> None:
 def test_wrong_model_and_unreachable_url(engine: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--url", engine, "--rate", "1", "--model", "gpt-9"]) == 2
     assert "serves 'SmolLM2-135M-Instruct', not 'gpt-9'" in capsys.readouterr().err
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     started = time.monotonic()
     assert main(["--url", dead, "--rate", "1", "--duration", "1"]) == 2
     err = capsys.readouterr().err

@@ -1,6 +1,6 @@
 """Prompt normalization and the shadow prefix cache (pure Python, no model).
 
-See DESIGN.md, "Prompt normalization" and "Prefix caching".
+See docs/server.md, "Prompt normalization", and docs/engine.md, "Prefix caching".
 """
 
 from __future__ import annotations

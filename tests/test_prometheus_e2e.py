@@ -30,7 +30,7 @@ import pytest
 import yaml
 from waiting import wait_for
 
-from kvops.supervisor.managed_engine import free_port
+from kvops.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "alerts" / "kvops.rules.yml"

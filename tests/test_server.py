@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from kvops.schema.snapshot import Snapshot
+from kvops.supervisor.engine_client import EngineClient
 
 MODEL = "SmolLM2-135M-Instruct"
 TOKEN = "test-admin-token"
@@ -166,6 +167,20 @@ def test_admin_requires_the_token_and_changes_are_reflected(server):
     assert stats(server).engine.enable_prefix_caching is False
     admin(server, "prefix-caching", {"enabled": True})
     admin(server, "eviction-policy", {"policy": "lru"})
+
+
+def test_admin_actions_through_the_client_quote_tenant_names(server):
+    # Over a real uvicorn: the client quotes the name into one path segment ('/' as %2F), uvicorn decodes
+    # it before routing, and the engine's tenant route still takes the whole name.
+    client = EngineClient(server, TOKEN, timeout_s=30)
+    for tenant in ("team/a b", "ops tenant"):
+        knobs = client.admin("set_tenant_quota", {"tenant": tenant, "quota_blocks": 64, "cache_salt": "shared"})
+        assert knobs["tenant_quotas"][tenant] == 64 and knobs["tenant_salts"][tenant] == "shared"
+        knobs = client.admin("set_tenant_quota", {"tenant": tenant})  # lifts the quota, restores its own salt
+        assert tenant not in knobs["tenant_quotas"] and tenant not in knobs["tenant_salts"]
+    assert client.admin("set_normalization", {"mode": "off"})["normalize_prompts"] == "off"
+    assert admin(server, "tenants/", {"quota_blocks": None}).status_code == 404  # an empty name names nothing
+    client.close()
 
 
 def test_disconnected_stream_aborts_and_frees_blocks(server):

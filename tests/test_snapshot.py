@@ -1,4 +1,4 @@
-"""The snapshot schema's compact block map."""
+"""The snapshot schema: the compact block and owner maps, the block states and the histogram percentiles."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ from hypothesis import strategies as st
 
 from kvops.schema.snapshot import (
     BLOCK_STATE_CODES,
+    HISTOGRAM_PERCENTILES,
     OTHER_OWNER_CODE,
     OWNER_CODES,
+    Histogram,
     decode_block_map,
     encode_block_map,
     encode_owner_map,
+    percentile_fields,
 )
 
 CODES = "".join(BLOCK_STATE_CODES.values())
@@ -46,3 +49,16 @@ def test_owner_map_letters_follow_first_appearance_and_cap_at_52_tenants():
     encoded, tenants = encode_owner_map(many)
     assert tenants == many[:52]  # a letter each; the rest share "+"
     assert decode_block_map(encoded) == OWNER_CODES + OTHER_OWNER_CODE * 8
+
+
+def test_the_engine_block_states_are_the_schema_states():
+    from kvops.engine.block import BlockState
+
+    assert [state.value for state in BlockState] == list(BLOCK_STATE_CODES)
+    assert "".join(state.code for state in BlockState) == CODES
+
+
+def test_histogram_percentiles_come_from_the_histogram_fields():
+    assert HISTOGRAM_PERCENTILES == (50, 95, 99)
+    assert percentile_fields(lambda q: q / 100) == {"p50": 0.5, "p95": 0.95, "p99": 0.99}
+    assert set(percentile_fields(lambda q: None)) <= set(Histogram.model_fields)

@@ -14,7 +14,7 @@ import pytest
 
 from kvops.engine.block import BlockState
 from kvops.engine.block_manager import BlockManager
-from kvops.engine.invariants import check_invariants
+from kvops.engine.invariants import check_invariants, fingerprint
 from kvops.engine.sampling import SamplingParams
 from kvops.engine.scheduler import Scheduler, SchedulerOutput
 from kvops.engine.sequence import Sequence, SequenceStatus
@@ -43,22 +43,6 @@ def start(bm: BlockManager, seq_id: str, tokens: Tokens[int], *, tenant: str = "
 
 def states(bm: BlockManager, block_ids: Tokens[int]) -> list[BlockState]:
     return [bm.blocks[b].state for b in block_ids]
-
-
-def snapshot(bm: BlockManager) -> tuple:
-    return (
-        bm.state_map(),
-        bm.host_state_map(),
-        list(bm.free_queue),
-        list(bm.host_free_queue),
-        dict(bm.cached),
-        {k: (list(v.block_ids), v.num_full) for k, v in bm.seqs.items()},
-        {k: (list(v.block_ids), v.num_full) for k, v in bm.swapped.items()},
-        [(b.ref_count, b.hash, b.owner) for b in bm.blocks],
-        [(b.ref_count, b.hash, b.owner) for b in bm.host_blocks],
-        dict(bm.owned),
-        (bm.swap_out_blocks_total, bm.swap_in_blocks_total, bm.swap_in_reused_total, bm.allocations_total),
-    )
 
 
 class FakeKV:
@@ -152,8 +136,8 @@ def test_swap_out_then_in_restores_the_table_through_copies():
     assert bm.host_state_map() == "sss..."
     assert bm.num_swapped_blocks == 3
     assert states(bm, table) == [CACHED, CACHED, FREE]  # released exactly as by free
-    assert [b.hash for b in bm.host_blocks[:2]] == [bm.blocks[table[0]].hash, bm.blocks[table[1]].hash]
-    assert bm.host_blocks[2].hash is None
+    assert [b.hash for b in bm.host_pool.blocks[:2]] == [bm.blocks[table[0]].hash, bm.blocks[table[1]].hash]
+    assert bm.host_pool.blocks[2].hash is None
     assert bm.swap_out_blocks_total == 3
 
     bm.evict()  # nothing left on the device: every block comes back by a copy
@@ -207,11 +191,11 @@ def test_swap_in_takes_blocks_still_in_the_prefix_cache_without_a_copy():
 def test_swap_out_needs_a_host_block_for_every_block():
     bm = BlockManager(8, 2, num_host_blocks=2)
     start(bm, "a", [1, 2, 3, 4, 5])
-    before = snapshot(bm)
+    before = fingerprint(bm)
     assert not bm.can_swap_out("a")
     with pytest.raises(ValueError, match="host"):
         bm.swap_out("a")
-    assert snapshot(bm) == before
+    assert fingerprint(bm) == before
 
 
 def test_swap_in_is_all_or_nothing():
@@ -220,9 +204,9 @@ def test_swap_in_is_all_or_nothing():
     bm.swap_out("a")
     bm.evict()
     start(bm, "b", [9, 9, 9, 9, 9])  # three of four blocks
-    before = snapshot(bm)
+    before = fingerprint(bm)
     assert bm.swap_in("a", 5) is None
-    assert snapshot(bm) == before
+    assert fingerprint(bm) == before
     check_invariants(bm)
     bm.free("b")
     assert bm.swap_in("a", 5) is not None  # b's cached blocks are evicted for it
@@ -237,9 +221,9 @@ def test_swap_in_honours_the_tenant_quota():
     bm.evict()
     assert bm.owned["t"] == 0
     assert bm.allocate("t2", 4, tenant="t", salt="t")  # two FILLING blocks, owned by t
-    before = snapshot(bm)
+    before = fingerprint(bm)
     assert bm.swap_in("t1", 5) is None  # five free blocks, but only one left under the quota
-    assert snapshot(bm) == before
+    assert fingerprint(bm) == before
     assert bm.quota_limited("t")
     bm.abort("t2")
     bm.reclaim_pending()
@@ -258,9 +242,9 @@ def test_an_isolated_tenant_reusing_another_tenants_cached_block_is_refused_not_
     bm.set_quota("t", 5)
     hits, hashes = bm.lookup([1, 2, 3], "shared")
     assert len(hits) == 2
-    before = snapshot(bm)
+    before = fingerprint(bm)
     assert not bm.allocate("t1", 3, tenant="t", salt="shared", hit_block_ids=hits, hashes=hashes)
-    assert snapshot(bm) == before
+    assert fingerprint(bm) == before
     check_invariants(bm)
 
 
@@ -272,14 +256,14 @@ def test_drop_swapped_frees_the_host_blocks():
     check_invariants(bm)
     assert not bm.swapped
     assert bm.host_state_map() == "...."
-    assert all(b.hash is None and b.owner is None for b in bm.host_blocks)
+    assert all(b.hash is None and b.owner is None for b in bm.host_pool.blocks)
 
 
 def test_a_swapped_sequence_cannot_be_forked_or_reallocated():
     bm = BlockManager(8, 2, num_host_blocks=4)
     start(bm, "a", [1, 2, 3])
     bm.swap_out("a")
-    before = snapshot(bm)
+    before = fingerprint(bm)
     with pytest.raises(ValueError, match="swapped out"):
         bm.fork("a", "child")
     with pytest.raises(ValueError):
@@ -287,7 +271,7 @@ def test_a_swapped_sequence_cannot_be_forked_or_reallocated():
     start(bm, "b", [4, 5])
     with pytest.raises(ValueError):
         bm.fork("b", "a")
-    assert bm.host_state_map() == before[1]
+    assert bm.host_state_map() == before["host_state_map"]
     assert bm.swapped["a"].block_ids == [0, 1]
     check_invariants(bm)
 
@@ -302,7 +286,7 @@ def test_host_blocks_keep_the_hash_of_a_full_block_that_did_not_hold_the_key():
     key_holder = bm.block_table("a")[0]
     assert bm.blocks[bm.block_table("b")[0]].hash is None
     bm.swap_out("b")
-    assert bm.host_blocks[0].hash == bm.blocks[key_holder].hash
+    assert bm.host_pool.blocks[0].hash == bm.blocks[key_holder].hash
     copies = bm.swap_in("b", 3)
     check_invariants(bm)
     assert bm.block_table("b")[0] == key_holder  # found by its content

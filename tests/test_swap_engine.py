@@ -13,6 +13,7 @@ from kvops.engine.invariants import check_invariants
 from kvops.engine.llm import LLM
 from kvops.engine.metrics import snapshot_families
 from kvops.engine.sampling import SamplingParams
+from kvops.engine.snapshot_builder import swap_window
 from kvops.engine.stats import EngineStats
 
 BLOCK_BYTES = 16 * 46080  # one block of 16 tokens, fp32 SmolLM2-135M
@@ -92,12 +93,12 @@ def test_swap_rate_follows_its_definition_on_a_scripted_sequence():
     bm.allocate("a", 16)  # 4 blocks
     bm.allocate("b", 16)  # 4 blocks
     record()
-    assert stats.swap_window().swap_rate == 0.0
+    assert swap_window(stats).swap_rate == 0.0
     now[0] = 10.0
     assert len(bm.swap_out("a")) == 4  # a's 4 blocks go to the host pool
     bm.allocate("c", 32)  # 8 blocks: 4 were a's
     record()
-    window = stats.swap_window()
+    window = swap_window(stats)
     assert (window.swap_out, window.allocations) == (4, 16)
     assert window.swap_rate == pytest.approx(4 / 16)
     assert window.swap_out_per_s == pytest.approx(4 / 10.0)
@@ -105,11 +106,11 @@ def test_swap_rate_follows_its_definition_on_a_scripted_sequence():
     now[0] = 20.0
     assert len(bm.swap_in("a", 16) or []) == 4
     record()
-    window = stats.swap_window()
+    window = swap_window(stats)
     assert (window.swap_out, window.swap_in, window.allocations) == (4, 4, 20)
     assert window.swap_rate == pytest.approx(4 / 20)
     now[0] = 20.0 + 61  # everything has left the window; the totals remain
-    assert stats.swap_window().swap_rate == 0.0 and stats.swap_window().swap_out == 0
+    assert swap_window(stats).swap_rate == 0.0 and swap_window(stats).swap_out == 0
     assert bm.swap_out_blocks_total == 4 and bm.allocations_total == 20
 
 

@@ -20,13 +20,18 @@ from fake_supervisor import FakeSupervisor
 from synthetic import T0, snapshot
 from textual.widgets import DataTable, Input, Static
 
+from kvops.schema.audit import AuditEntry
+from kvops.schema.diagnosis import Fix, FixKind
 from kvops.schema.engines import EngineEntry
 from kvops.schema.snapshot import Snapshot, decode_block_map, encode_owner_map
-from kvops.top.app import ConfirmScreen, DetailScreen, KvopsTop, Readout
+from kvops.top.app import KvopsTop
 from kvops.top.bench import synthetic_codes
 from kvops.top.block_map import aggregate, aggregate_owners, layout, layout_owners, render_rows
 from kvops.top.client import Poller, SupervisorRefused, SupervisorUnreachable
 from kvops.top.render import histogram_lines, render_json, render_once, series
+from kvops.top.screens import ConfirmScreen, DetailScreen
+from kvops.top.widgets.audit import collapse
+from kvops.top.widgets.common import Readout
 
 # ----------------------------------------------------------------- block map (pure)
 
@@ -379,3 +384,52 @@ def test_an_external_server_without_block_states_says_so() -> None:
         assert "a vllm server: its /metrics has no per-block states" in shown and "KV usage 42%" in shown
 
     run_app(body, fake=fake)
+
+
+# ----------------------------------------------------------------- audit: each action once
+
+
+def test_collapse_keeps_one_row_per_engine_rule_subject_action_and_fix_change() -> None:
+    def fix(blocks: int) -> Fix:
+        return Fix(kind=FixKind.ADMIN, action="set_tenant_quota", params={"tenant": "bob", "blocks": blocks},
+                   description=f"cap bob at {blocks} blocks (measured at {T0})")  # prose is not the change
+
+    def entry(i: int, action: str = "proposed", subject: str = "bob", blocks: int = 200) -> AuditEntry:
+        return AuditEntry(id=i, time=T0 + i, engine="gpu-a", rule="noisy_tenant", subject=subject,
+                          action=action, fix=fix(blocks))
+
+    entries = [entry(1), entry(2, subject="carol"), entry(3), entry(4, blocks=300), entry(5), entry(6, "applied")]
+    rows = collapse(entries)
+    assert [(r.latest.id, r.count) for r in rows] == [(6, 1), (5, 3), (4, 1), (2, 1)]  # newest first
+    assert [e.id for e in rows[1].entries] == [5, 3, 1]
+    assert collapse([]) == []
+
+
+def test_the_audit_panel_shows_a_repeated_proposal_once() -> None:
+    async def body(pilot: Any, app: KvopsTop, fake: FakeSupervisor) -> None:
+        # FakeSupervisor's log: "proposed" #4, #5, #6 for the same fix (the diagnosis came back
+        # twice), then #7 "applied"
+        assert rows(app, "audit") == ["7", "6"]
+        assert rows(app, "audit", 2) == ["applied", "proposed ×3"]
+        assert rows(app, "audit", 1)[1] == time.strftime("%H:%M:%S", time.localtime(T0 - 20))  # the latest
+        await pilot.press("tab", "tab", "tab", "down", "enter")
+        body_text = str(app.screen.query_one("#detail-body", Static).render())
+        assert "recorded 3 times: #6" in body_text and "#5" in body_text and "#4" in body_text
+
+    run_app(body)
+
+
+def test_a_diagnosis_summary_shows_in_full() -> None:
+    async def body(pilot: Any, app: KvopsTop, fake: FakeSupervisor) -> None:
+        await pilot.press("tab", "tab")  # diagnoses: noisy_tenant, whose summary is wider than the panel
+        summary = fake.diags[0].summary
+        table = app.query_one("#diagnoses", DataTable)
+        assert len(summary) > table.content_size.width  # the table's column cannot show it whole
+        detail = app.query_one("#diagnosis-detail", Readout)
+        text = detail.render()
+        assert summary in text.plain
+        lines = text.wrap(app.console, detail.content_size.width)
+        assert len(lines) <= detail.content_size.height  # wrapped, every line has room: nothing cut off
+        assert any("lost 35% hit rate" in str(line) for line in lines)
+
+    run_app(body)

@@ -13,11 +13,13 @@ import psutil
 import pytest
 from textual.widgets import DataTable
 
-from kvops.supervisor.managed_engine import free_port
+from kvops.processes import free_port
 from kvops.top import demo, run_top
-from kvops.top.app import ConfirmScreen, KvopsTop, Readout
+from kvops.top.app import KvopsTop
 from kvops.top.client import SupervisorClient
 from kvops.top.embedded import EmbeddedSupervisor, supervisor_answers
+from kvops.top.screens import ConfirmScreen
+from kvops.top.widgets.common import Readout
 
 
 def test_supervisor_answers_only_when_one_is_there() -> None:
@@ -75,8 +77,10 @@ def test_demo_under_an_embedded_supervisor_shows_diagnoses_and_applies_a_fix(tmp
                 await pilot.press("f")
                 assert isinstance(app.screen, ConfirmScreen)
                 await pilot.press("y")
-                await _until(pilot, "the fix in the audit log",
-                             lambda: any(a.rule == "prompt_variance" for a in app.state.audit), 30)
+                # the demo proposes fixes (suggest policy): a "proposed" prompt_variance entry is
+                # there before `f`, so wait for the applied one
+                await _until(pilot, "the fix in the audit log", lambda: any(
+                    a.rule == "prompt_variance" and a.action == "applied" for a in app.state.audit), 30)
                 assert "applied" in _rows(app, "audit", 2)
                 await _until(pilot, "normalization on",
                              lambda: app.engine.latest.prefix_cache.normalization == "on", 10)

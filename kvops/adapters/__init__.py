@@ -2,9 +2,8 @@
 the one snapshot schema (`kvops.schema.snapshot`), so the rules, `kvops run`, `kvops top` and `kvops doctor`
 work on them. What a server does not export stays neutral and is listed in `Snapshot.unknown`."""
 
-from kvops.adapters.client import ENGINE_KINDS, WatchedEngineClient
-from kvops.adapters.detect import FLAVOURS, Flavour, detect_flavour, model_card, snapshot_from_scrape
+from kvops.adapters.client import WatchedEngineClient
+from kvops.adapters.detect import detect_flavour, model_card, snapshot_from_scrape
 from kvops.adapters.prometheus import Scrape, ScrapeError
 
-__all__ = ["ENGINE_KINDS", "FLAVOURS", "Flavour", "Scrape", "ScrapeError", "WatchedEngineClient", "detect_flavour",
-           "model_card", "snapshot_from_scrape"]
+__all__ = ["Scrape", "ScrapeError", "WatchedEngineClient", "detect_flavour", "model_card", "snapshot_from_scrape"]

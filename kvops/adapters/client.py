@@ -9,22 +9,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvops.adapters.detect import FLAVOURS, Flavour, detect_flavour, snapshot_from_scrape
+from kvops.adapters.detect import detect_flavour, snapshot_from_scrape
 from kvops.adapters.prometheus import Scrape, ScrapeError
+from kvops.schema.kinds import WATCH_KINDS, EngineKind
 from kvops.schema.reports import BlockSizeProfile, KVQuantProfile
 from kvops.schema.snapshot import Snapshot
 from kvops.supervisor.engine_client import EngineClient, EngineUnreachable
-
-ENGINE_KINDS = ("auto", *FLAVOURS)
 
 
 class WatchedEngineClient(EngineClient):
     def __init__(self, url: str, kind: str = "auto", admin_token: str | None = None, timeout_s: float = 5.0,
                  clock: Callable[[], float] = time.time) -> None:
-        if kind not in ENGINE_KINDS:
-            raise ValueError(f"engine kind {kind!r} is not one of {', '.join(ENGINE_KINDS)}")
+        if kind not in WATCH_KINDS:
+            raise ValueError(f"engine kind {kind!r} is not one of {', '.join(WATCH_KINDS)}")
         super().__init__(url, admin_token, timeout_s)
-        self.flavour: Flavour | None = None if kind == "auto" else kind  # type: ignore[assignment]
+        self.flavour: EngineKind | None = None if kind == "auto" else kind  # type: ignore[assignment]
         self.clock = clock
         self.first_seen: float | None = None  # uptime fallback when the scrape has no process start time
         self._models: dict[str, Any] | None = None
@@ -44,7 +43,7 @@ class WatchedEngineClient(EngineClient):
             return None
         return body if isinstance(body, dict) else None
 
-    def detect(self) -> Flavour:
+    def detect(self) -> EngineKind:
         """Which server this is; raises EngineUnreachable when it answers but is not one kvops reads."""
         if self.flavour is None:
             try:

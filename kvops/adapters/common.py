@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from kvops.adapters.prometheus import Scrape
-from kvops.schema.snapshot import Histogram, Snapshot
+from kvops.schema.snapshot import Histogram, Snapshot, percentile_fields
 
 # Without a pool size in the scrape, block counts are expressed in per-mille of the pool: usage and its
 # trend stay exact, absolute block numbers are marked unknown.
@@ -64,10 +64,10 @@ def quantile(bounds: list[float], counts: list[int], q: float) -> float | None:
 
 def histogram_json(parsed: tuple[list[float], list[int], float, int] | None) -> dict[str, Any]:
     if parsed is None:
-        return {"buckets": [], "counts": [0], "sum": 0.0, "count": 0, "p50": None, "p95": None, "p99": None}
+        return {"buckets": [], "counts": [0], "sum": 0.0, "count": 0, **percentile_fields(lambda q: None)}
     bounds, counts, total, count = parsed
-    return Histogram(buckets=bounds, counts=counts, sum=total, count=count, p50=quantile(bounds, counts, 0.5),
-                     p95=quantile(bounds, counts, 0.95), p99=quantile(bounds, counts, 0.99)).model_dump()
+    return Histogram(buckets=bounds, counts=counts, sum=total, count=count,
+                     **percentile_fields(lambda q: quantile(bounds, counts, q / 100))).model_dump()
 
 
 def fill_blocks(data: dict[str, Any], usage: float | None, num_blocks: int | None, block_size: int | None) -> None:
@@ -104,6 +104,23 @@ def neutral_for(source: str, scrape: Scrape, t: float, model_card: dict[str, Any
     data = neutral(source, t, model)
     data["engine"]["engine_version"] = source
     return data
+
+
+def read_max_model_len(data: dict[str, Any], model_card: dict[str, Any] | None) -> None:
+    """`engine.max_model_len` from `/v1/models`' model card (vLLM and SGLang put it there, not in /metrics)."""
+    max_model_len = (model_card or {}).get("max_model_len")
+    if max_model_len:
+        data["engine"]["max_model_len"] = int(max_model_len)
+    else:
+        data["unknown"].append("engine.max_model_len")
+
+
+def read_prompt_lengths(data: dict[str, Any], scrape: Scrape, name: str) -> None:
+    """`prompt_lengths` from the prompt-token histogram `name`; unknown when the scrape lacks it."""
+    prompts = scrape.histogram(name)
+    data["prompt_lengths"] = histogram_json(prompts)
+    if prompts is None:
+        data["unknown"].append("prompt_lengths")
 
 
 def read_requests(data: dict[str, Any], scrape: Scrape, metrics: dict[str, str]) -> None:

@@ -3,27 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 from kvops.adapters.kvops_metrics import snapshot_from_kvops_metrics
 from kvops.adapters.prometheus import Scrape
 from kvops.adapters.sglang import snapshot_from_sglang
 from kvops.adapters.vllm import snapshot_from_vllm
+from kvops.schema.kinds import ENGINE_KINDS, EngineKind
 from kvops.schema.snapshot import Snapshot
 
-Flavour = Literal["kvops", "vllm", "sglang"]
-FLAVOURS: tuple[Flavour, ...] = ("kvops", "vllm", "sglang")
-_PREFIXES: dict[Flavour, str] = {"kvops": "kvops_", "vllm": "vllm:", "sglang": "sglang:"}
+_PREFIXES: dict[EngineKind, str] = {"kvops": "kvops_", "vllm": "vllm:", "sglang": "sglang:"}
 
 Builder = Callable[[Scrape, float, dict[str, Any] | None, float | None], Snapshot]
-BUILDERS: dict[Flavour, Builder] = {
+BUILDERS: dict[EngineKind, Builder] = {
     "kvops": snapshot_from_kvops_metrics,
     "vllm": snapshot_from_vllm,
     "sglang": snapshot_from_sglang,
 }
 
 
-def detect_flavour(scrape: Scrape | None, models: dict[str, Any] | None = None) -> Flavour | None:
+def detect_flavour(scrape: Scrape | None, models: dict[str, Any] | None = None) -> EngineKind | None:
     """From the metric names (the prefix with the most series wins: a proxy may add a few of another's),
     else from `/v1/models`' `owned_by`. None: not an inference server kvops knows."""
     if scrape is not None:
@@ -32,7 +31,7 @@ def detect_flavour(scrape: Scrape | None, models: dict[str, Any] | None = None) 
         if counts[best] > 0:
             return best
     owner = str(model_card(models).get("owned_by", "")).lower()
-    for flavour in FLAVOURS:
+    for flavour in ENGINE_KINDS:
         if flavour in owner:
             return flavour
     return None
@@ -44,6 +43,6 @@ def model_card(models: dict[str, Any] | None) -> dict[str, Any]:
     return data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else {}
 
 
-def snapshot_from_scrape(flavour: Flavour, scrape: Scrape, t: float, models: dict[str, Any] | None = None,
+def snapshot_from_scrape(flavour: EngineKind, scrape: Scrape, t: float, models: dict[str, Any] | None = None,
                          started_at: float | None = None) -> Snapshot:
     return BUILDERS[flavour](scrape, t, model_card(models), started_at)

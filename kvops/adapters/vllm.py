@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvops.adapters.common import fill_blocks, finish_from_process, histogram_json, neutral_for, ratio, read_requests
+from kvops.adapters import common
 from kvops.adapters.prometheus import Scrape
 from kvops.schema.snapshot import Snapshot
 
@@ -26,8 +26,7 @@ def _int_label(scrape: Scrape, name: str, label: str) -> int | None:
 
 def snapshot_from_vllm(scrape: Scrape, t: float, model_card: dict[str, Any] | None = None,
                        started_at: float | None = None) -> Snapshot:
-    card = model_card or {}
-    data = neutral_for("vllm", scrape, t, model_card, "vllm:num_requests_running")
+    data = common.neutral_for("vllm", scrape, t, model_card, "vllm:num_requests_running")
     unknown: list[str] = data["unknown"]
     engine, prefix = data["engine"], data["prefix_cache"]
 
@@ -43,25 +42,22 @@ def snapshot_from_vllm(scrape: Scrape, t: float, model_card: dict[str, Any] | No
         unknown.extend(["engine.kv_cache_dtype", "engine.enable_prefix_caching"])
     block_size = _int_label(scrape, config, "block_size")
     usage = scrape.first("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-    fill_blocks(data, None if usage is None else scrape.mean(usage[0]),
+    common.fill_blocks(data, None if usage is None else scrape.mean(usage[0]),
                 _int_label(scrape, config, "num_gpu_blocks"), block_size)
-    if card.get("max_model_len"):
-        engine["max_model_len"] = int(card["max_model_len"])
-    else:
-        unknown.append("engine.max_model_len")
+    common.read_max_model_len(data, model_card)
     unknown.extend(["engine.max_num_seqs", "engine.max_num_batched_tokens", "engine.bytes_per_token",
                     "engine.kv_cache_bytes", "engine.dtype", "engine.device"])
 
-    read_requests(data, scrape, {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
-                                 "finished_total": "vllm:request_success_total",
-                                 "preemptions_total": "vllm:num_preemptions_total",
-                                 "prompt_tokens_total": "vllm:prompt_tokens_total",
-                                 "generation_tokens_total": "vllm:generation_tokens_total"})
+    common.read_requests(data, scrape, {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
+                                        "finished_total": "vllm:request_success_total",
+                                        "preemptions_total": "vllm:num_preemptions_total",
+                                        "prompt_tokens_total": "vllm:prompt_tokens_total",
+                                        "generation_tokens_total": "vllm:generation_tokens_total"})
     unknown.append("requests.aborted_total")
 
     queries, hits = scrape.value("vllm:prefix_cache_queries_total"), scrape.value("vllm:prefix_cache_hits_total")
     if queries is not None and hits is not None:
-        prefix.update(queries_total=round(queries), hits_total=round(hits), hit_rate=ratio(hits, queries))
+        prefix.update(queries_total=round(queries), hits_total=round(hits), hit_rate=common.ratio(hits, queries))
     else:
         unknown.extend(["prefix_cache.queries_total", "prefix_cache.hits_total"])
         v0_rate = scrape.mean("vllm:gpu_prefix_cache_hit_rate")  # V0: a rate without the counters behind it
@@ -72,10 +68,7 @@ def snapshot_from_vllm(scrape: Scrape, t: float, model_card: dict[str, Any] | No
     unknown.extend(["prefix_cache.window_hit_rate", "prefix_cache.evictions_total", "prefix_cache.normalization",
                     "prefix_cache.shadow_hit_rate", "prefix_cache.potential_hit_rate"])
 
-    prompts = scrape.histogram("vllm:request_prompt_tokens")
-    data["prompt_lengths"] = histogram_json(prompts)
-    if prompts is None:
-        unknown.append("prompt_lengths")
+    common.read_prompt_lengths(data, scrape, "vllm:request_prompt_tokens")
 
     swapped = scrape.value("vllm:num_requests_swapped")  # V0 only: V1 recomputes, it never swaps
     if swapped is None:
@@ -83,4 +76,4 @@ def snapshot_from_vllm(scrape: Scrape, t: float, model_card: dict[str, Any] | No
     else:
         data["swap"] = {"preemption_mode": "swap", "swapped_seqs": round(swapped)}
         unknown.extend(["swap.window", "swap.swap_out_total", "swap.swap_in_total"])
-    return finish_from_process(data, scrape, started_at)
+    return common.finish_from_process(data, scrape, started_at)

@@ -19,7 +19,8 @@ import sys
 import time
 from typing import Any
 
-from kvops.bench.engine import _PROSE, CHAT_QUESTIONS, log, publish
+from kvops.bench.report import configure_logging, log, publish
+from kvops.bench.workloads import CHAT_QUESTIONS, PROSE
 
 VARIANTS = (("auto", 32), ("int8", 32), ("fp8", 32), ("int4", 32), ("int4", 64))
 
@@ -48,7 +49,7 @@ def measure(kind: str, group_size: int, args: argparse.Namespace, reference: dic
     prompts = [engine.encode_chat([{"role": "user", "content": q}]) for q in questions]
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     outputs = [o.token_ids for o in llm.generate(prompts, greedy)]
-    text_ids = engine.tokenizer(_PROSE).input_ids
+    text_ids = engine.tokenizer(PROSE).input_ids
     score = score_text(engine, text_ids)
     profile = profile_kv_error(engine, steps=args.steps)
     result: dict[str, Any] = {
@@ -115,9 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         args.prompts, args.max_tokens = min(args.prompts, 4), min(args.max_tokens, 8)
     args.steps = [10] if args.quick else [10, 50, 100]
 
-    from kvops.bench.engine import _configure_logging
-
-    _configure_logging()
+    configure_logging()
     from kvops.engine.errors import EngineError
 
     variants: list[dict[str, Any]] = []

@@ -17,6 +17,7 @@ from kvops.doctor.report import Check, Status
 from kvops.rules import RULES, evaluate_all, kv_oom_runtime, prompt_variance
 from kvops.rules.common import reclaimable_blocks
 from kvops.schema.diagnosis import Diagnosis, Severity
+from kvops.schema.kinds import EXTERNAL_KINDS
 from kvops.schema.reports import KVQuantProfile
 from kvops.schema.snapshot import Snapshot, TenantStats
 from kvops.supervisor.history import EngineHistory
@@ -45,7 +46,7 @@ EXTERNAL_REMEDIES: dict[str, dict[str, str]] = {
     "prompt_variance": {
         source: "make shared prompt prefixes byte-identical (no timestamps, request ids or stray whitespace "
                 "before the shared part); kvops's prompt normalization needs a kvops engine"
-        for source in ("vllm", "sglang")},
+        for source in EXTERNAL_KINDS},
     "prefix_caching_off": {"vllm": "restart with --enable-prefix-caching",
                            "sglang": "restart without --disable-radix-cache"},
 }

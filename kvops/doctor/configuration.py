@@ -186,7 +186,7 @@ def block_size_check(snap: Snapshot, profile: BlockSizeProfile | None, why_not: 
         return Check(section=SECTION, title=title, status=Status.SKIPPED, evidence="the profile lacks it",
                      detail=detail)
     # The rule itself ignores profiles on the default lengths (nothing served yet); doctor shows them anyway.
-    better = block_size_mismatch._proposal(profile, configured, block_size_mismatch.Settings())
+    better = block_size_mismatch.faster_block_size(profile, configured, block_size_mismatch.Settings())
     if better is None:
         return Check(section=SECTION, title=title, status=Status.OK,
                      evidence=f"{configured.decode_step_ms:.2f} ms/decode step; no candidate of "

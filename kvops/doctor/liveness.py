@@ -10,8 +10,9 @@ from urllib.parse import urlparse
 
 import httpx
 
-from kvops.adapters import Flavour, Scrape, ScrapeError, detect_flavour, model_card
+from kvops.adapters import Scrape, ScrapeError, detect_flavour, model_card
 from kvops.doctor.report import Check, Status
+from kvops.schema.kinds import EngineKind
 
 SECTION = "Liveness"
 SLOW_FIRST_TOKEN_S = 5.0  # an idle server taking longer than this for one token is worth a look
@@ -29,7 +30,7 @@ class Probe:
 
     checks: list[Check] = field(default_factory=list)
     answering: bool = False  # /health answered (any status)
-    flavour: Flavour | None = None
+    flavour: EngineKind | None = None
     models: dict[str, Any] | None = None
     scrape: Scrape | None = None
 

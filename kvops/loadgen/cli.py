@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def spec_from_args(args: argparse.Namespace) -> LoadSpec:
     """The LoadSpec the command line describes; LoadError names the file or the flag."""
-    from kvops.supervisor.config import first_error
+    from kvops.config_files import first_error
 
     overrides = {k: v for k, v in (("duration_s", args.duration), ("seed", args.seed), ("model", args.model),
                                    ("timeout_s", args.timeout)) if v is not None}

@@ -9,6 +9,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from kvops.bench.peers import quiet_transformers
+from kvops.bench.workloads import SENTENCES
 from kvops.loadgen.spec import LoadError
 
 # Whitespace edits that `normalize_prompt` undoes: between words, at a line break, at the very end.
@@ -67,8 +69,6 @@ def _vocabulary(tokenizer: Any) -> _Vocabulary:
 
 
 def _build_vocabulary(tokenizer: Any) -> _Vocabulary:
-    from kvops.bench.engine import _SENTENCES
-
     if getattr(getattr(tokenizer, "backend_tokenizer", None), "pre_tokenizer", None) is None:
         raise LoadError("the tokenizer is not a fast (Rust) tokenizer with a pre-tokenizer: exact prompt lengths "
                         "cannot be built with it")
@@ -82,7 +82,7 @@ def _build_vocabulary(tokenizer: Any) -> _Vocabulary:
     if len(heads) < 100 or len(words) < 100:
         raise LoadError("the tokenizer is not a byte-level BPE with a GPT-2 style vocabulary: exact prompt lengths "
                         "cannot be built with it")
-    return _Vocabulary([_pieces(tokenizer, s) for s in _SENTENCES], [_pieces(tokenizer, " " + s) for s in _SENTENCES],
+    return _Vocabulary([_pieces(tokenizer, s) for s in SENTENCES], [_pieces(tokenizer, " " + s) for s in SENTENCES],
                        heads, words)
 
 
@@ -178,9 +178,8 @@ def load_tokenizer(path: str | None = None) -> Any:
     """The tokenizer prompts are built with (the default model's unless `path`), loaded once per process."""
     with _TOKENIZERS_LOCK:
         if path not in _TOKENIZERS:
-            from kvops.bench.engine import _quiet_transformers
             from kvops.engine.weights import load_tokenizer as load
 
-            with _quiet_transformers():
+            with quiet_transformers():
                 _TOKENIZERS[path] = load(path)
         return _TOKENIZERS[path]

@@ -210,7 +210,7 @@ class LoadSpec(_Strict):
 
 def load_workload(path: str | Path) -> LoadSpec:
     """A TOML workload file as a LoadSpec; LoadError names the file and the key."""
-    from kvops.supervisor.config import first_error, read_toml
+    from kvops.config_files import first_error, read_toml
 
     data = read_toml(path, "workload file", "benchmarks/workloads/mixed.toml", LoadError)
     try:

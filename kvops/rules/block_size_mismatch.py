@@ -24,7 +24,16 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from kvops.rules.common import Evidence, SnapshotRuleSettings, fresh_latest, median, recent_steps, run_span
+from kvops.rules.common import (
+    Evidence,
+    SnapshotRuleSettings,
+    diagnosis,
+    fresh_latest,
+    median,
+    recent_steps,
+    rounded,
+    run_span,
+)
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
 from kvops.schema.reports import BlockSizeProfile, BlockSizeTiming
 from kvops.schema.snapshot import StepSample
@@ -77,10 +86,13 @@ def _timing(profile: BlockSizeProfile, block_size: int) -> BlockSizeTiming | Non
     return next((c for c in profile.candidates if c.block_size == block_size), None)
 
 
-def _proposal(profile: BlockSizeProfile, configured: BlockSizeTiming,
-              settings: Settings) -> BlockSizeTiming | None:
-    """The fastest candidate that is clearly faster (by the relative margin, and beyond the noise)
-    and does not waste much more of the pool."""
+def faster_block_size(profile: BlockSizeProfile, configured: BlockSizeTiming,
+                      settings: Settings) -> BlockSizeTiming | None:
+    """The candidate of `profile` to switch to from `configured`, or None: the fastest one that is
+    clearly faster (by `settings.min_slowdown`, and beyond both candidates' step-to-step spread when
+    `gap_above_iqr`) and whose fragmentation exceeds the configured one's by at most
+    `max_fragmentation_increase`. The rule's criteria, public so `kvops doctor` judges a profile the
+    same way."""
 
     def clearly_faster(c: BlockSizeTiming) -> bool:
         gap = configured.decode_step_ms - c.decode_step_ms
@@ -109,10 +121,10 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
     fragmentation = sum(fragmentation_samples) / len(fragmentation_samples) if fragmentation_samples else None
     live: Evidence = {
         "block_size": block_size,
-        "boundary_step_excess": None if excess is None else round(excess, 4),
+        "boundary_step_excess": rounded(excess),
         "decode_steps": len(decode_ms),
-        "decode_step_ms_median": None if step_ms is None else round(step_ms, 3),
-        "fragmentation": None if fragmentation is None else round(fragmentation, 4),
+        "decode_step_ms_median": rounded(step_ms, 3),
+        "fragmentation": rounded(fragmentation),
     }
 
     # A profile of another configuration (taken before a restart), an old one, or one measured on the
@@ -123,19 +135,16 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
         profile = None
     if profile is not None:
         configured = _timing(profile, block_size)
-        proposal = _proposal(profile, configured, settings) if configured is not None else None
+        proposal = faster_block_size(profile, configured, settings) if configured is not None else None
         if configured is None or proposal is None:
             return []
         slowdown = configured.decode_step_ms / proposal.decode_step_ms - 1
-        return [Diagnosis(
-            rule=RULE_ID,
-            engine=history.engine,
-            severity=Severity.WARNING,
-            title=TITLE,
-            summary=(f"block size {block_size} decodes in {configured.decode_step_ms:.2f} ms per step, "
-                     f"{proposal.block_size} in {proposal.decode_step_ms:.2f} ms ({slowdown:.0%} slower), measured "
-                     f"at batch {profile.batch_size}"),
-            evidence={
+        summary = (f"block size {block_size} decodes in {configured.decode_step_ms:.2f} ms per step, "
+                   f"{proposal.block_size} in {proposal.decode_step_ms:.2f} ms ({slowdown:.0%} slower), measured "
+                   f"at batch {profile.batch_size}")
+        return [diagnosis(
+            history, RULE_ID, TITLE, Severity.WARNING, summary,
+            {
                 **live,
                 "profile_best": profile.best,
                 "proposed_block_size": proposal.block_size,
@@ -162,16 +171,10 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
               and fragmentation is not None and fragmentation >= settings.fragmentation_threshold)
     if not settings.suggest_profile or not strong:
         return []
-    return [Diagnosis(
-        rule=RULE_ID,
-        engine=history.engine,
-        severity=Severity.INFO,
-        title=TITLE,
-        summary=(f"decode steps just past a block boundary are {excess:.0%} slower and {fragmentation:.0%} of "
-                 f"allocated slots are empty at block size {block_size}: measure other block sizes"),
-        evidence=live,
-        fix=Fix(kind=FixKind.REPORT, action="advice",
-                description="take a block-size profile (GET /admin/profile/block-size: decode-step timings of "
-                            "candidate block sizes) before changing the block size: periodicity and fragmentation "
-                            "alone do not say which is faster"),
-    )]
+    summary = (f"decode steps just past a block boundary are {excess:.0%} slower and {fragmentation:.0%} of "
+               f"allocated slots are empty at block size {block_size}: measure other block sizes")
+    return [diagnosis(history, RULE_ID, TITLE, Severity.INFO, summary, live, fix=Fix(
+        kind=FixKind.REPORT, action="advice",
+        description="take a block-size profile (GET /admin/profile/block-size: decode-step timings of candidate "
+                    "block sizes) before changing the block size: periodicity and fragmentation alone do not say "
+                    "which is faster"))]

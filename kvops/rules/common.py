@@ -1,5 +1,6 @@
-"""What the rules share: the settings base, "is there enough data", and the small measurements
-several rules make (reclaimable blocks, the engine's GPU, recent decode steps, the capacity fix).
+"""What the rules share: the settings bases, "is there enough data", building a diagnosis, and the
+small measurements several rules make (reclaimable blocks, prefix-cache lookups, the engine's GPU,
+recent decode steps, the capacity fix).
 
 Every helper is a pure function of snapshots; none reads the clock.
 """
@@ -9,10 +10,11 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Iterable
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvops.schema.diagnosis import Fix, FixKind
+from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
 from kvops.schema.snapshot import GpuStats, Snapshot, StepSample
 from kvops.supervisor.history import EngineHistory, Getter
 
@@ -38,6 +40,30 @@ class SnapshotRuleSettings(RuleSettings):
         60.0, gt=0,
         description="the latest snapshot must be at most this old at evaluation time; older data is stale "
                     "(the engine stopped answering: engine_down covers that) and the rule stays silent")
+
+
+class WindowRuleSettings(SnapshotRuleSettings):
+    """A rule reading counters and trends over a window of snapshots (rules override the defaults)."""
+
+    window_s: float = Field(300.0, gt=0, description="counters and rates are read over this window (clipped to the "
+                                                     "current run)")
+    min_samples: int = Field(3, ge=2, description="snapshots needed in the window (covering half of it)")
+
+
+class PrefixCacheRuleSettings(WindowRuleSettings):
+    """A rule comparing the prefix cache's hit rate with a shadow cache's over the window."""
+
+    min_queried_tokens: int = Field(2000, ge=1, description="prompt tokens the shadow cache must have looked up in "
+                                                            "the window")
+
+
+def diagnosis(history: EngineHistory, rule: str, title: str, severity: Severity, summary: str, evidence: Evidence,
+              *, fix: Fix | None = None, verification: Verification | None = None, subject: str = "") -> Diagnosis:
+    """A diagnosis of the history's engine. Without a fix there is nothing to verify, so a verification
+    is kept only with one."""
+    return Diagnosis(rule=rule, engine=history.engine, subject=subject, severity=severity, title=title,
+                     summary=summary, evidence=evidence, fix=fix,
+                     verification=verification if fix is not None else None)
 
 
 def fresh_latest(history: EngineHistory, now: float, max_age_s: float) -> Snapshot | None:
@@ -68,11 +94,33 @@ def steady_span(history: EngineHistory, latest: Snapshot, window_s: float,
     return latest.time - earliest
 
 
+def covered_steady_span(history: EngineHistory, latest: Snapshot, settings: WindowRuleSettings,
+                        same: Callable[[Snapshot], object]) -> float | None:
+    """`steady_span` over the settings' window, or None when its snapshots are too few or too bunched."""
+    span = steady_span(history, latest, settings.window_s, same)
+    return span if covered_window(history, span, settings) else None
+
+
 def covered(snaps: list[Snapshot], window_s: float, min_samples: int) -> bool:
     """Enough snapshots, spread over enough of the window, to read a rate or a trend."""
     if len(snaps) < max(2, min_samples):
         return False
     return snaps[-1].time - snaps[0].time >= MIN_COVERAGE * window_s
+
+
+def covered_window(history: EngineHistory, span: float, settings: WindowRuleSettings) -> list[Snapshot]:
+    """The snapshots of the last `span` seconds, or [] when they are too few or too bunched to read from."""
+    snaps = history.window(span)
+    return snaps if covered(snaps, settings.window_s, settings.min_samples) else []
+
+
+def cache_lookups(history: EngineHistory, span: float,
+                  cache: Literal["", "shadow_", "potential_"] = "") -> tuple[float, float]:
+    """Prompt tokens looked up and hit over the window in the prefix cache (`cache` ""), the shadow cache
+    of normalized prompts ("shadow_") or the one measuring caching while it is off ("potential_")."""
+    queries = history.delta(lambda s: getattr(s.prefix_cache, f"{cache}queries_total"), span) or 0.0
+    hits = history.delta(lambda s: getattr(s.prefix_cache, f"{cache}hits_total"), span) or 0.0
+    return queries, hits
 
 
 def earlier_and_recent(history: EngineHistory, getter: Getter, span: float) -> tuple[float, float] | None:
@@ -215,15 +263,24 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-def capacity_fix(latest: Snapshot, blocks_per_seq: float, target_usage: float,
+def capacity_fix(latest: Snapshot, snaps: list[Snapshot], target_usage: float,
                  reason: str) -> tuple[Fix | None, Evidence]:
-    """Restart so that `max_num_seqs` sequences of the observed size fit in `target_usage` of the
-    pool: with a larger KV budget when the engine's GPU has that memory free, else with fewer
-    concurrent sequences (always safe: requests queue instead of preempting each other), else with
-    the budget anyway (the description says how much is needed). None when the pool already holds
-    `max_num_seqs` sequences of that size: the numbers do not say what to change.
+    """Restart so that `max_num_seqs` sequences of the size seen in `snaps` (`blocks_per_seq`) fit in
+    `target_usage` of the pool: with a larger KV budget when the engine's GPU has that memory free,
+    else with fewer concurrent sequences (always safe: requests queue instead of preempting each
+    other), else with the budget anyway (the description says how much is needed). None when the
+    pool already holds `max_num_seqs` sequences of that size (the numbers do not say what to change)
+    or when the size is unknown.
 
     Returns the fix and the numbers behind the options, for the evidence."""
+    per_seq = blocks_per_seq(snaps)
+    if per_seq is None:
+        return None, {}
+    return _capacity_fix(latest, per_seq, target_usage, reason)
+
+
+def _capacity_fix(latest: Snapshot, blocks_per_seq: float, target_usage: float,
+                  reason: str) -> tuple[Fix | None, Evidence]:
     engine = latest.engine
     block_bytes = engine.block_size * engine.bytes_per_token
     budget_blocks = math.ceil(engine.max_num_seqs * blocks_per_seq / target_usage)

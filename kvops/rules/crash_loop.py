@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from kvops.rules.common import RuleSettings
+from kvops.rules.common import RuleSettings, diagnosis
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity
 from kvops.schema.engines import EngineExit
 from kvops.supervisor.history import EngineHistory
@@ -46,13 +46,9 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
     else:
         advice = "the engine manager keeps restarting it with backoff: read the last stderr lines for the cause"
         headline = f"{len(crashes)} crashes in {settings.window_s:.0f} s"
-    return [Diagnosis(
-        rule=RULE_ID,
-        engine=history.engine,
-        severity=Severity.CRITICAL,
-        title=TITLE,
-        summary=headline + (f"; last: {_describe(latest)}" if latest else ""),
-        evidence={
+    return [diagnosis(
+        history, RULE_ID, TITLE, Severity.CRITICAL, headline + (f"; last: {_describe(latest)}" if latest else ""),
+        {
             "crash_loop": history.crash_loop,
             "exits_in_window": len(crashes),
             "window_s": settings.window_s,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from kvops.rules.common import RuleSettings
+from kvops.rules.common import RuleSettings, diagnosis
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity
 from kvops.supervisor.history import EngineHistory
 
@@ -37,13 +37,10 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
         advice = "the engine manager restarts it with backoff; if it keeps failing, read its exits (crash_loop)"
     else:
         advice = "kvops does not manage this engine: check its process, host and network"
-    return [Diagnosis(
-        rule=RULE_ID,
-        engine=history.engine,
-        severity=Severity.CRITICAL,
-        title=TITLE,
-        summary=f"{failing} health checks failed in a row, down for {now - first_failure.t:.0f} s: {last_error}",
-        evidence={
+    return [diagnosis(
+        history, RULE_ID, TITLE, Severity.CRITICAL,
+        f"{failing} health checks failed in a row, down for {now - first_failure.t:.0f} s: {last_error}",
+        {
             "consecutive_failures": failing,
             "down_since": first_failure.t,
             "down_for_s": round(now - first_failure.t, 1),

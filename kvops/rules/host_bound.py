@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from kvops.rules.common import SnapshotRuleSettings, covered, engine_gpus, fresh_latest, run_span
+from kvops.rules.common import Evidence, WindowRuleSettings, covered, diagnosis, engine_gpus, fresh_latest, run_span
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity
 from kvops.supervisor.history import EngineHistory
 
@@ -20,7 +20,7 @@ TITLE = "Host-bound engine: the CPU is saturated while the GPU idles"
 DESCRIPTION = "process CPU near the usable cores while the engine's GPU utilization is low"
 
 
-class Settings(SnapshotRuleSettings):
+class Settings(WindowRuleSettings):
     window_s: float = Field(120.0, gt=0, description="CPU and GPU utilization are averaged over this window")
     min_samples: int = Field(3, ge=2, description="snapshots with GPU data needed in the window (covering half of it)")
     cpu_cores: float = Field(1.0, gt=0, description="cores the engine's host loop can use (1: a Python loop)")
@@ -45,25 +45,20 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
     saturated_at = settings.cpu_saturation * settings.cpu_cores * 100
     if cpu < saturated_at or gpu > settings.max_gpu_utilization_percent or running < settings.min_running:
         return []
-    return [Diagnosis(
-        rule=RULE_ID,
-        engine=history.engine,
-        severity=Severity.WARNING,
-        title=TITLE,
-        summary=(f"CPU {cpu:.0f}% (saturated at {saturated_at:.0f}%) while the GPU is {gpu:.0f}% busy, "
-                 f"{running:.1f} sequences running on average over {span:.0f} s"),
-        evidence={
-            "cpu_percent": round(cpu, 1),
-            "cpu_saturated_percent": round(saturated_at, 1),
-            "cpu_cores": settings.cpu_cores,
-            "gpu_utilization_percent": round(gpu, 1),
-            "gpus": ",".join(g.name for g in engine_gpus(latest)),
-            "running_mean": round(running, 2),
-            "num_threads": latest.process.num_threads,
-            "device": latest.engine.device,
-            "window_s": round(span, 1),
-        },
-        fix=Fix(kind=FixKind.REPORT, action="advice",
-                description="the GPU waits on the host loop: enable graph capture (CUDA graphs) for decode, or reduce "
-                            "per-step host work (scheduling, sampling, detokenization)"),
-    )]
+    summary = (f"CPU {cpu:.0f}% (saturated at {saturated_at:.0f}%) while the GPU is {gpu:.0f}% busy, "
+               f"{running:.1f} sequences running on average over {span:.0f} s")
+    evidence: Evidence = {
+        "cpu_percent": round(cpu, 1),
+        "cpu_saturated_percent": round(saturated_at, 1),
+        "cpu_cores": settings.cpu_cores,
+        "gpu_utilization_percent": round(gpu, 1),
+        "gpus": ",".join(g.name for g in engine_gpus(latest)),
+        "running_mean": round(running, 2),
+        "num_threads": latest.process.num_threads,
+        "device": latest.engine.device,
+        "window_s": round(span, 1),
+    }
+    return [diagnosis(history, RULE_ID, TITLE, Severity.WARNING, summary, evidence, fix=Fix(
+        kind=FixKind.REPORT, action="advice",
+        description="the GPU waits on the host loop: enable graph capture (CUDA graphs) for decode, or reduce "
+                    "per-step host work (scheduling, sampling, detokenization)"))]

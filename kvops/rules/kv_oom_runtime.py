@@ -12,10 +12,10 @@ from __future__ import annotations
 from pydantic import Field
 
 from kvops.rules.common import (
-    SnapshotRuleSettings,
-    blocks_per_seq,
+    WindowRuleSettings,
     capacity_fix,
-    covered,
+    covered_window,
+    diagnosis,
     earlier_and_recent,
     fresh_latest,
     halves_duration,
@@ -32,7 +32,7 @@ TITLE = "OOM risk at run time: free KV blocks trending to zero"
 DESCRIPTION = "reclaimable blocks run out within minutes at the current trend, or preemptions are rising"
 
 
-class Settings(SnapshotRuleSettings):
+class Settings(WindowRuleSettings):
     window_s: float = Field(60.0, gt=0, description="the trend and the preemption rate are read over this window")
     min_samples: int = Field(5, ge=3, description="snapshots needed in the window (covering half of it)")
     warning_s: float = Field(120.0, gt=0, description="warning when reclaimable blocks run out within this time")
@@ -60,8 +60,8 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
     if latest is None or latest.engine.num_blocks <= 0:
         return []
     span = run_span(latest, settings.window_s)
-    snaps = history.window(span)
-    if not covered(snaps, settings.window_s, settings.min_samples):
+    snaps = covered_window(history, span, settings)
+    if not snaps:
         return []
     slope = history.trend(_reclaimable, span)
     halves = earlier_and_recent(history, _preemptions, span)
@@ -83,9 +83,7 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
         return []
     critical = time_to_exhaustion is not None and time_to_exhaustion <= settings.critical_s
 
-    per_seq = blocks_per_seq(snaps)
-    fix, fix_numbers = (capacity_fix(latest, per_seq, settings.target_usage, "the KV pool runs dry")
-                        if per_seq is not None else (None, {}))
+    fix, fix_numbers = capacity_fix(latest, snaps, settings.target_usage, "the KV pool runs dry")
 
     if time_to_exhaustion is not None:
         headline = f"reclaimable blocks run out in {time_to_exhaustion:.0f} s ({available} of {num_blocks} left, " \
@@ -98,13 +96,10 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
                                  min_change=settings.verify_min_change) if window_rate > 0 else
                     Verification(evidence_key="time_to_exhaustion_s", better="higher",
                                  min_change=settings.verify_min_change))
-    return [Diagnosis(
-        rule=RULE_ID,
-        engine=history.engine,
-        severity=Severity.CRITICAL if critical else Severity.WARNING,
-        title=TITLE,
-        summary=f"{headline}; preemptions {window_rate:.2f}/s over {span:.0f} s",
-        evidence={
+    return [diagnosis(
+        history, RULE_ID, TITLE, Severity.CRITICAL if critical else Severity.WARNING,
+        f"{headline}; preemptions {window_rate:.2f}/s over {span:.0f} s",
+        {
             "num_blocks": num_blocks,
             "reclaimable_blocks": available,
             "free_blocks": latest.blocks.counts.get("free", 0),
@@ -121,6 +116,5 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
             "window_s": round(span, 1),
             **fix_numbers,
         },
-        fix=fix,
-        verification=verification if fix is not None else None,
+        fix=fix, verification=verification,
     )]

@@ -16,6 +16,7 @@ from kvops.rules.common import (
     GPU_HEADROOM,
     SnapshotRuleSettings,
     blocks_for,
+    diagnosis,
     fresh_latest,
     gpu_free_bytes,
     memory_evidence,
@@ -73,17 +74,14 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
         params = {"max_num_seqs": fit_max_num_seqs}
         change = f"max_num_seqs={fit_max_num_seqs}"
 
-    return [Diagnosis(
-        rule=RULE_ID,
-        engine=history.engine,
-        # Overcommit is how paged engines are meant to run (vLLM logs it as "maximum concurrency"): a
-        # note for whoever sizes the engine, not something to page anyone about.
-        severity=Severity.INFO,
-        title=TITLE,
-        summary=(f"{engine.max_num_seqs} requests of {engine.max_model_len} tokens need {blocks_needed} blocks, "
-                 f"the pool has {engine.num_blocks} ({overcommit:.2f}×); at most {max_concurrency:.2f} "
-                 f"max-length requests fit"),
-        evidence={
+    summary = (f"{engine.max_num_seqs} requests of {engine.max_model_len} tokens need {blocks_needed} blocks, "
+               f"the pool has {engine.num_blocks} ({overcommit:.2f}×); at most {max_concurrency:.2f} "
+               f"max-length requests fit")
+    # Overcommit is how paged engines are meant to run (vLLM logs it as "maximum concurrency"): an info
+    # note for whoever sizes the engine, not something to page anyone about.
+    return [diagnosis(
+        history, RULE_ID, TITLE, Severity.INFO, summary,
+        {
             "bytes_per_token": engine.bytes_per_token,
             "block_size": engine.block_size,
             "num_blocks": engine.num_blocks,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from kvops.rules.common import SnapshotRuleSettings, fresh_latest
+from kvops.rules.common import SnapshotRuleSettings, diagnosis, fresh_latest
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
 from kvops.supervisor.history import EngineHistory
 
@@ -44,15 +44,12 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
     flagged = [layer for layer in profile.layers if layer.layer in new]
     worst = min(flagged, key=lambda layer: layer.min_cosine, default=None)
     proposed = sorted(skipped | set(new))
-    return [Diagnosis(
-        rule=RULE_ID,
-        engine=history.engine,
-        severity=Severity.CRITICAL if worst is not None and worst.min_cosine < settings.critical_cosine
-        else Severity.WARNING,
-        title=TITLE,
-        summary=(f"{engine.kv_cache_dtype} KV: layer(s) {_layers(new)} below cosine {profile.threshold}"
-                 + (f" (worst: layer {worst.layer} at {worst.min_cosine:.4f})" if worst is not None else "")),
-        evidence={
+    critical = worst is not None and worst.min_cosine < settings.critical_cosine
+    return [diagnosis(
+        history, RULE_ID, TITLE, Severity.CRITICAL if critical else Severity.WARNING,
+        f"{engine.kv_cache_dtype} KV: layer(s) {_layers(new)} below cosine {profile.threshold}"
+        + (f" (worst: layer {worst.layer} at {worst.min_cosine:.4f})" if worst is not None else ""),
+        {
             "kv_cache_dtype": engine.kv_cache_dtype,
             "threshold": profile.threshold,
             "flagged_layers": _layers(new),

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from kvops.rules.common import SnapshotRuleSettings, covered, fresh_latest, steady_span
-from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
+from kvops.rules.common import PrefixCacheRuleSettings, cache_lookups, covered_steady_span, diagnosis, fresh_latest
+from kvops.schema.admin import SET_PREFIX_CACHING
+from kvops.schema.diagnosis import Diagnosis, Severity, Verification
 from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "prefix_caching_off"
@@ -18,11 +19,7 @@ TITLE = "Prefix caching is off on a shared-prefix workload"
 DESCRIPTION = "prefix caching is disabled while a shadow cache measures a high hit rate it would have had"
 
 
-class Settings(SnapshotRuleSettings):
-    window_s: float = Field(300.0, gt=0, description="the potential hit rate is read over this window")
-    min_samples: int = Field(3, ge=2, description="snapshots needed in the window (covering half of it)")
-    min_queried_tokens: int = Field(2000, ge=1, description="prompt tokens the shadow cache must have looked up in "
-                                                            "the window")
+class Settings(PrefixCacheRuleSettings):
     min_potential_hit_rate: float = Field(0.3, gt=0, le=1, description="fire when caching would have served at least "
                                                                        "this share of prompt tokens")
 
@@ -31,28 +28,22 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
     latest = fresh_latest(history, now, settings.max_snapshot_age_s)
     if latest is None or latest.engine.enable_prefix_caching:
         return []
-    span = steady_span(history, latest, settings.window_s, lambda s: s.engine.enable_prefix_caching)
-    snaps = history.window(span)
-    if not covered(snaps, settings.window_s, settings.min_samples):
+    span = covered_steady_span(history, latest, settings, lambda s: s.engine.enable_prefix_caching)
+    if span is None:
         return []
-    potential_queries = history.delta(lambda s: s.prefix_cache.potential_queries_total, span) or 0.0
+    potential_queries, potential_hits = cache_lookups(history, span, "potential_")
     if potential_queries < settings.min_queried_tokens:
         return []
-    potential_hits = history.delta(lambda s: s.prefix_cache.potential_hits_total, span) or 0.0
     potential_hit_rate = potential_hits / potential_queries
     if potential_hit_rate < settings.min_potential_hit_rate:
         return []
-    queries = history.delta(lambda s: s.prefix_cache.queries_total, span) or 0.0
-    hits = history.delta(lambda s: s.prefix_cache.hits_total, span) or 0.0
+    queries, hits = cache_lookups(history, span)
     hit_rate = hits / queries if queries > 0 else 0.0
-    return [Diagnosis(
-        rule=RULE_ID,
-        engine=history.engine,
-        severity=Severity.WARNING,
-        title=TITLE,
-        summary=(f"prefix caching is off; it would have served {potential_hit_rate:.0%} of {potential_queries:.0f} "
-                 f"prompt tokens in the last {span:.0f} s"),
-        evidence={
+    summary = (f"prefix caching is off; it would have served {potential_hit_rate:.0%} of {potential_queries:.0f} "
+               f"prompt tokens in the last {span:.0f} s")
+    return [diagnosis(
+        history, RULE_ID, TITLE, Severity.WARNING, summary,
+        {
             "enable_prefix_caching": False,
             "potential_hit_rate": round(potential_hit_rate, 4),
             "potential_queried_tokens": int(potential_queries),
@@ -61,8 +52,8 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
             "hit_rate": round(hit_rate, 4),
             "window_s": round(span, 1),
         },
-        fix=Fix(kind=FixKind.ADMIN, action="set_prefix_caching", params={"enabled": True},
-                description=f"enable prefix caching: the shadow cache measured a {potential_hit_rate:.0%} hit rate"),
+        fix=SET_PREFIX_CACHING.fix({"enabled": True}, f"enable prefix caching: the shadow cache measured a "
+                                                      f"{potential_hit_rate:.0%} hit rate"),
         # From 0 any rise counts (the verifier takes the absolute change when the value before is 0).
         verification=Verification(evidence_key="hit_rate", better="higher", min_change=0.0),
     )]

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from kvops.rules.common import SnapshotRuleSettings, covered, fresh_latest, steady_span
-from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
+from kvops.rules.common import PrefixCacheRuleSettings, cache_lookups, covered_steady_span, diagnosis, fresh_latest
+from kvops.schema.admin import SET_NORMALIZATION
+from kvops.schema.diagnosis import Diagnosis, Severity, Verification
 from kvops.schema.snapshot import Snapshot
 from kvops.supervisor.history import EngineHistory
 
@@ -23,11 +24,7 @@ TITLE = "Low hit rate from prompt variance: normalized prompts would hit the cac
 DESCRIPTION = "with normalization in shadow mode, the normalized hit rate is far above the real one"
 
 
-class Settings(SnapshotRuleSettings):
-    window_s: float = Field(300.0, gt=0, description="hit rates are compared over this window")
-    min_samples: int = Field(3, ge=2, description="snapshots needed in the window (covering half of it)")
-    min_queried_tokens: int = Field(2000, ge=1, description="prompt tokens the shadow cache must have looked up in "
-                                                            "the window")
+class Settings(PrefixCacheRuleSettings):
     min_gap: float = Field(0.15, gt=0, le=1, description="fire when the shadow hit rate exceeds the real one by this "
                                                          "much (absolute)")
     verify_min_change: float = Field(0.1, ge=0, description="relative rise of the hit rate that counts")
@@ -48,31 +45,25 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
     if latest is None or not latest.engine.enable_prefix_caching:
         return []  # no real hit rate to compare: prefix_caching_off's case
     mode = latest.prefix_cache.normalization
-    span = steady_span(history, latest, settings.window_s, _normalization)
-    snaps = history.window(span)
-    if not covered(snaps, settings.window_s, settings.min_samples):
+    span = covered_steady_span(history, latest, settings, _normalization)
+    if span is None:
         return []
-    queries = history.delta(lambda s: s.prefix_cache.queries_total, span) or 0.0
-    hits = history.delta(lambda s: s.prefix_cache.hits_total, span) or 0.0
+    queries, hits = cache_lookups(history, span)
     hit_rate = hits / queries if queries > 0 else None
 
     if mode == "shadow":
-        shadow_queries = history.delta(lambda s: s.prefix_cache.shadow_queries_total, span) or 0.0
-        shadow_hits = history.delta(lambda s: s.prefix_cache.shadow_hits_total, span) or 0.0
+        shadow_queries, shadow_hits = cache_lookups(history, span, "shadow_")
         if shadow_queries < settings.min_queried_tokens or hit_rate is None:
             return []
         shadow_hit_rate = shadow_hits / shadow_queries
         gap = shadow_hit_rate - hit_rate
         if gap < settings.min_gap:
             return []
-        return [Diagnosis(
-            rule=RULE_ID,
-            engine=history.engine,
-            severity=Severity.WARNING,
-            title=TITLE,
-            summary=(f"normalized prompts would hit {shadow_hit_rate:.0%} of {shadow_queries:.0f} prompt tokens, "
-                     f"the cache hits {hit_rate:.0%} (+{gap:.0%} with normalization on)"),
-            evidence={
+        summary = (f"normalized prompts would hit {shadow_hit_rate:.0%} of {shadow_queries:.0f} prompt tokens, "
+                   f"the cache hits {hit_rate:.0%} (+{gap:.0%} with normalization on)")
+        return [diagnosis(
+            history, RULE_ID, TITLE, Severity.WARNING, summary,
+            {
                 "normalization": mode,
                 "hit_rate": round(hit_rate, 4),
                 "shadow_hit_rate": round(shadow_hit_rate, 4),
@@ -81,9 +72,8 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
                 "shadow_queried_tokens": int(shadow_queries),
                 "window_s": round(span, 1),
             },
-            fix=Fix(kind=FixKind.ADMIN, action="set_normalization", params={"mode": "on"},
-                    description=f"turn prompt normalization on: the shadow cache measured a {shadow_hit_rate:.0%} hit "
-                                f"rate against {hit_rate:.0%}"),
+            fix=SET_NORMALIZATION.fix({"mode": "on"}, f"turn prompt normalization on: the shadow cache measured a "
+                                                      f"{shadow_hit_rate:.0%} hit rate against {hit_rate:.0%}"),
             verification=Verification(evidence_key="hit_rate", better="higher", min_change=settings.verify_min_change),
         )]
 
@@ -93,21 +83,11 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
     if (queries < settings.min_queried_tokens or requests < settings.shadow_probe_min_requests
             or hit_rate > settings.shadow_probe_max_hit_rate):
         return []
-    return [Diagnosis(
-        rule=RULE_ID,
-        engine=history.engine,
-        severity=Severity.INFO,
-        title=TITLE,
-        summary=(f"the prefix cache hits {hit_rate:.0%} of {queries:.0f} prompt tokens over {requests:.0f} requests: "
-                 f"measure whether normalization would help"),
-        evidence={
-            "normalization": mode,
-            "hit_rate": round(hit_rate, 4),
-            "queried_tokens": int(queries),
-            "requests": int(requests),
-            "window_s": round(span, 1),
-        },
-        # Shadow mode changes nothing served; it only measures. No verification: it is not a fix.
-        fix=Fix(kind=FixKind.ADMIN, action="set_normalization", params={"mode": "shadow"},
-                description="switch prompt normalization to shadow mode to measure the hit rate it would give"),
-    )]
+    summary = (f"the prefix cache hits {hit_rate:.0%} of {queries:.0f} prompt tokens over {requests:.0f} requests: "
+               f"measure whether normalization would help")
+    # Shadow mode changes nothing served; it only measures. No verification: it is not a fix.
+    measure = SET_NORMALIZATION.fix({"mode": "shadow"}, "switch prompt normalization to shadow mode to measure the "
+                                                        "hit rate it would give")
+    return [diagnosis(history, RULE_ID, TITLE, Severity.INFO, summary, {
+        "normalization": mode, "hit_rate": round(hit_rate, 4), "queried_tokens": int(queries),
+        "requests": int(requests), "window_s": round(span, 1)}, fix=measure)]

@@ -13,8 +13,8 @@ from pydantic import Field
 
 from kvops.rules.common import (
     SnapshotRuleSettings,
-    blocks_per_seq,
     capacity_fix,
+    diagnosis,
     fresh_latest,
     percentile,
     recent_steps,
@@ -65,19 +65,16 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
     if settings.require_latency_jump and (increase is None or increase < settings.min_latency_increase):
         return []  # no baseline is no evidence of a jump: never guess
 
-    per_seq = blocks_per_seq(history.window(run_span(latest, settings.recent_s)))
-    fix, fix_numbers = (capacity_fix(latest, per_seq, settings.target_usage, "sequences swap each other out")
-                        if per_seq is not None else (None, {}))
+    fix, fix_numbers = capacity_fix(latest, history.window(run_span(latest, settings.recent_s)),
+                                    settings.target_usage, "sequences swap each other out")
     latency = f"; decode p95 {baseline_p95 * 1000:.1f} -> {recent_p95 * 1000:.1f} ms" \
         if recent_p95 is not None and baseline_p95 is not None else ""
-    return [Diagnosis(
-        rule=RULE_ID,
-        engine=history.engine,
-        severity=Severity.CRITICAL if window.swap_rate >= settings.critical_swap_rate else Severity.WARNING,
-        title=TITLE,
-        summary=(f"swap rate {window.swap_rate:.2f} ({window.swap_out_per_s:.1f} blocks/s out, "
-                 f"{window.swap_in_per_s:.1f}/s in over {window.window_s:.0f} s){latency}"),
-        evidence={
+    return [diagnosis(
+        history, RULE_ID, TITLE,
+        Severity.CRITICAL if window.swap_rate >= settings.critical_swap_rate else Severity.WARNING,
+        f"swap rate {window.swap_rate:.2f} ({window.swap_out_per_s:.1f} blocks/s out, "
+        f"{window.swap_in_per_s:.1f}/s in over {window.window_s:.0f} s){latency}",
+        {
             "swap_rate": round(window.swap_rate, 4),
             "swap_out_per_s": round(window.swap_out_per_s, 4),
             "swap_in_per_s": round(window.swap_in_per_s, 4),
@@ -94,6 +91,5 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
             **fix_numbers,
         },
         fix=fix,
-        verification=Verification(evidence_key="swap_rate", better="lower", min_change=settings.verify_min_change)
-        if fix is not None else None,
+        verification=Verification(evidence_key="swap_rate", better="lower", min_change=settings.verify_min_change),
     )]

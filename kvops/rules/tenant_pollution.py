@@ -15,16 +15,18 @@ import math
 from pydantic import Field
 
 from kvops.rules.common import (
-    SnapshotRuleSettings,
+    WindowRuleSettings,
     blocks_for,
-    covered,
+    covered_window,
+    diagnosis,
     earlier_and_recent,
     fresh_latest,
     ratio,
     rounded,
     run_span,
 )
-from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
+from kvops.schema.admin import SET_TENANT_QUOTA
+from kvops.schema.diagnosis import Diagnosis, Severity, Verification
 from kvops.schema.snapshot import Snapshot
 from kvops.supervisor.history import EngineHistory, Getter
 
@@ -33,9 +35,7 @@ TITLE = "Tenant pollution: one tenant evicts the others' cached blocks"
 DESCRIPTION = "a tenant with no reuse of its own evicts other tenants' cached blocks and their hit rate falls"
 
 
-class Settings(SnapshotRuleSettings):
-    window_s: float = Field(300.0, gt=0, description="evictions and hit rates are compared over this window")
-    min_samples: int = Field(3, ge=2, description="snapshots needed in the window (covering half of it)")
+class Settings(WindowRuleSettings):
     min_evictions_caused: int = Field(64, ge=1, description="cross-tenant evictions the polluter must cause in "
                                                             "the window")
     max_polluter_hit_rate: float = Field(0.05, ge=0, le=1, description="the polluter's own hit rate over the window "
@@ -101,8 +101,8 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
     if latest is None or len(latest.tenants) < 2:
         return []
     span = run_span(latest, settings.window_s)
-    snaps = history.window(span)
-    if not covered(snaps, settings.window_s, settings.min_samples):
+    snaps = covered_window(history, span, settings)
+    if not snaps:
         return []
     elapsed = snaps[-1].time - snaps[0].time
     names = tuple(sorted(latest.tenants))
@@ -132,21 +132,16 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
         peak_held = max(s.tenants[tenant].blocks_held for s in snaps if tenant in s.tenants)
         quota = _quota(latest, tenant, peak_held, settings)
         stats = latest.tenants[tenant]
-        fix = None if quota is None else Fix(
-            kind=FixKind.ADMIN, action="set_tenant_quota", params={"tenant": tenant, "quota_blocks": quota},
-            description=f"cap tenant {tenant!r} at {quota} blocks (it owns {stats.blocks_owned}, its live sequences "
-                        f"held at most {peak_held}): its allocations then evict its own unreused blocks first")
-
-        diagnoses.append(Diagnosis(
-            rule=RULE_ID,
-            engine=history.engine,
-            subject=tenant,
-            severity=Severity.WARNING,
-            title=TITLE,
-            summary=(f"tenant {tenant!r} caused {caused:.0f} evictions of other tenants' blocks in {elapsed:.0f} s "
-                     f"with a {own_hit_rate:.0%} hit rate of its own; victims ({', '.join(victims)}) lost "
-                     f"{drop or 0:.0%} hit rate"),
-            evidence={
+        fix = None if quota is None else SET_TENANT_QUOTA.fix(
+            {"tenant": tenant, "quota_blocks": quota},
+            f"cap tenant {tenant!r} at {quota} blocks (it owns {stats.blocks_owned}, its live sequences held at most "
+            f"{peak_held}): its allocations then evict its own unreused blocks first")
+        summary = (f"tenant {tenant!r} caused {caused:.0f} evictions of other tenants' blocks in {elapsed:.0f} s "
+                   f"with a {own_hit_rate:.0%} hit rate of its own; victims ({', '.join(victims)}) lost "
+                   f"{drop or 0:.0%} hit rate")
+        diagnoses.append(diagnosis(
+            history, RULE_ID, TITLE, Severity.WARNING, summary,
+            {
                 "tenant": tenant,
                 "evictions_caused": int(caused),
                 "evictions_caused_per_s": round(caused / elapsed, 4),
@@ -167,8 +162,8 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
                 "victim_hit_rate_drop": rounded(drop),
                 "window_s": round(elapsed, 1),
             },
-            fix=fix,
+            fix=fix, subject=tenant,
             verification=Verification(evidence_key="victim_evictions_suffered_per_s", better="lower",
-                                      min_change=settings.verify_min_change) if fix is not None else None,
+                                      min_change=settings.verify_min_change),
         ))
     return diagnoses

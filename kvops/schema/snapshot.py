@@ -7,8 +7,11 @@ Defined once here and used by the engine (`/stats`), the supervisor, `kvops top`
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from pydantic import BaseModel, Field
+
+from kvops.schema.kinds import ENGINE_KINDS
 
 SCHEMA_VERSION = 1
 
@@ -135,6 +138,16 @@ class Histogram(BaseModel):
     p99: float | None
 
 
+# The percentiles every histogram reports, read off Histogram's p<q> fields: producers fill them
+# through `percentile_fields`, so a percentile is added or dropped in Histogram alone.
+HISTOGRAM_PERCENTILES = tuple(int(name[1:]) for name in Histogram.model_fields if re.fullmatch(r"p\d+", name))
+
+
+def percentile_fields(value: Callable[[int], float | None]) -> dict[str, float | None]:
+    """Histogram's percentile fields, each `value(q)` for q (in percent) in HISTOGRAM_PERCENTILES."""
+    return {f"p{q}": value(q) for q in HISTOGRAM_PERCENTILES}
+
+
 class StepSample(BaseModel):
     t: float  # unix seconds at the end of the step
     duration_s: float
@@ -200,7 +213,7 @@ class ProcessStats(BaseModel):
 
 
 # Where a snapshot came from: a kvops engine's /stats, or an adapter reading another server's /metrics.
-SNAPSHOT_SOURCES = ("kvops", "vllm", "sglang")
+SNAPSHOT_SOURCES = ENGINE_KINDS
 
 
 class Snapshot(BaseModel):

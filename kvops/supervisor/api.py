@@ -18,20 +18,22 @@ POST /api/engines/{name}/resume               restart a managed engine stopped i
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from fastapi import FastAPI, Header
+from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from kvops.schema.audit import AuditEntry
 from kvops.schema.engines import EngineEntry
 from kvops.supervisor import exporter
 from kvops.supervisor.fixes import FixError
 from kvops.supervisor.managed_engine import LOG_TAIL_LINES, ManagedEngine
 
 if TYPE_CHECKING:
-    from kvops.supervisor.supervisor import Supervisor
+    from kvops.supervisor.supervisor import EngineState, Supervisor
 
 
 class ApplyFixBody(BaseModel):
@@ -44,6 +46,15 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
 
 
+class Refusal(Exception):
+    """A request the API turns down (no token, no such engine...): raised from anywhere in a handler
+    and answered with the error body, so each endpoint reads as its happy path."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 def _last_log(managed: ManagedEngine | None) -> str | None:
     """The engine's latest log line: what a starting engine is busy with."""
     if managed is None or not managed.log_tail:
@@ -54,21 +65,32 @@ def _last_log(managed: ManagedEngine | None) -> str | None:
 def build_supervisor_app(sup: Supervisor) -> FastAPI:
     app = FastAPI(title="kvops supervisor", docs_url=None, redoc_url=None)
 
-    def denied(authorization: str | None) -> JSONResponse | None:
+    @app.exception_handler(Refusal)
+    async def refused(_: Request, exc: Refusal) -> JSONResponse:
+        return _error(exc.status, str(exc))
+
+    def require_admin(authorization: str | None) -> None:
         if not sup.admin_token:
-            return _error(403, "changing things needs an admin token: start kvops run with "
+            raise Refusal(403, "changing things needs an admin token: start kvops run with "
                                f"${sup.config.supervisor.admin_token_env} set")
         if not authorization or not authorization.startswith("Bearer "):
-            return _error(401, "this call needs 'Authorization: Bearer <admin token>'")
+            raise Refusal(401, "this call needs 'Authorization: Bearer <admin token>'")
         if not hmac.compare_digest(authorization.removeprefix("Bearer ").encode(), sup.admin_token.encode()):
-            return _error(403, "the admin token is wrong")
-        return None
+            raise Refusal(403, "the admin token is wrong")
 
-    def engine_or_404(name: str) -> Any:
+    def engine_named(name: str) -> EngineState:
         state = sup.engines.get(name)
         if state is None:
-            return None, _error(404, f"no engine named {name!r}; engines: {', '.join(sup.engines)}")
-        return state, None
+            raise Refusal(404, f"no engine named {name!r}; engines: {', '.join(sup.engines)}")
+        return state
+
+    def fix_step(step: Callable[[], AuditEntry], status_if_refused: int) -> JSONResponse:
+        """Run a fix step; a FixError (the reason it cannot be done) is the refusal's message."""
+        try:
+            entry = step()
+        except FixError as exc:
+            raise Refusal(status_if_refused, str(exc)) from None
+        return JSONResponse(entry.model_dump(mode="json"))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -84,8 +106,10 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
         out = []
         for name, state in sup.engines.items():
             latest, managed = state.history.latest, state.managed
+            # Before the first health check `is_up` is None: not up yet (a None here was a 500 on every call).
             out.append(EngineEntry(
-                name=name, url=state.url, kind=state.spec.kind, managed=state.spec.managed, up=state.history.is_up,
+                name=name, url=state.url, kind=state.spec.kind, managed=state.spec.managed,
+                up=bool(state.history.is_up),
                 pid=managed.pid if managed else (latest.engine.pid if latest else None),
                 restarts=state.history.restarts_total, crash_loop=state.history.crash_loop,
                 last_error=state.last_error,
@@ -101,9 +125,7 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
 
     @app.get("/api/engines/{name}/logs")
     async def logs(name: str, lines: int = 100) -> Any:
-        state, missing = engine_or_404(name)
-        if missing:
-            return missing
+        state = engine_named(name)
         if state.managed is None:
             return []  # a watched engine logs wherever it was started; kvops never sees its output
         tail = list(state.managed.log_tail)[-max(0, min(lines, LOG_TAIL_LINES)):] if lines > 0 else []
@@ -111,18 +133,14 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
 
     @app.get("/api/engines/{name}/snapshot")
     async def snapshot(name: str) -> Response:
-        state, missing = engine_or_404(name)
-        if missing:
-            return missing
+        state = engine_named(name)
         if state.history.latest is None:
-            return _error(404, f"no snapshot from engine {name!r} yet ({state.last_error or 'starting'})")
+            raise Refusal(404, f"no snapshot from engine {name!r} yet ({state.last_error or 'starting'})")
         return Response(state.history.latest.model_dump_json(), media_type="application/json")
 
     @app.get("/api/engines/{name}/history")
     async def history(name: str, seconds: float = 60.0) -> Response:
-        state, missing = engine_or_404(name)
-        if missing:
-            return missing
+        state = engine_named(name)
         snaps = state.history.window(seconds)
         body = "[" + ",".join(s.model_dump_json() for s in snaps) + "]"
         return Response(body, media_type="application/json")
@@ -149,42 +167,24 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
 
     @app.post("/api/fixes/apply")
     def apply_fix(body: ApplyFixBody, authorization: str | None = Header(default=None)) -> JSONResponse:
-        refusal = denied(authorization)
-        if refusal:
-            return refusal
-        state, missing = engine_or_404(body.engine)
-        if missing:
-            return missing
+        require_admin(authorization)
+        state = engine_named(body.engine)
         match = next((d for d in state.diagnoses if d.rule == body.rule and d.subject == body.subject), None)
         if match is None:
-            return _error(404, f"no active diagnosis {body.rule!r} (subject {body.subject!r}) on {body.engine!r}")
-        try:
-            entry = sup.fixes.apply(match, state.client, state.managed)
-        except FixError as exc:
-            return _error(409, str(exc))
-        return JSONResponse(entry.model_dump(mode="json"))
+            raise Refusal(404, f"no active diagnosis {body.rule!r} (subject {body.subject!r}) on {body.engine!r}")
+        return fix_step(lambda: sup.fixes.apply(match, state.client, state.managed), 409)
 
     @app.post("/api/fixes/{entry_id}/revert")
     def revert_fix(entry_id: int, authorization: str | None = Header(default=None)) -> JSONResponse:
-        refusal = denied(authorization)
-        if refusal:
-            return refusal
-        try:
-            entry = sup.fixes.revert(entry_id)
-        except FixError as exc:
-            return _error(404, str(exc))
-        return JSONResponse(entry.model_dump(mode="json"))
+        require_admin(authorization)
+        return fix_step(lambda: sup.fixes.revert(entry_id), 404)
 
     @app.post("/api/engines/{name}/resume")
     def resume(name: str, authorization: str | None = Header(default=None)) -> JSONResponse:
-        refusal = denied(authorization)
-        if refusal:
-            return refusal
-        state, missing = engine_or_404(name)
-        if missing:
-            return missing
+        require_admin(authorization)
+        state = engine_named(name)
         if state.managed is None:
-            return _error(409, f"engine {name!r} is watched, not managed: kvops cannot restart it")
+            raise Refusal(409, f"engine {name!r} is watched, not managed: kvops cannot restart it")
         state.managed.resume_after_crash_loop()
         return JSONResponse({"resumed": name})
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import tomllib
-from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
@@ -18,12 +17,14 @@ import platformdirs
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvops.alerting import AlertingConfig
+from kvops.config_files import first_error, read_toml
+from kvops.engine.args import ENGINE_SETTINGS
 from kvops.engine.config import EngineConfig
 from kvops.engine.errors import ConfigError
 from kvops.rules import RULES
+from kvops.schema.kinds import WatchKind
 
 Policy = Literal["off", "suggest", "auto"]
-ENGINE_SETTINGS = tuple(f.name for f in fields(EngineConfig))
 
 
 class _Strict(BaseModel):
@@ -59,7 +60,7 @@ class EngineSpec(_Strict):
     managed: bool = True
     # What a watched engine is: a kvops engine (read from /stats), vLLM or SGLang (read from /metrics through
     # kvops.adapters), or auto: recognised from /metrics and /v1/models at the first poll.
-    kind: Literal["auto", "kvops", "vllm", "sglang"] = "auto"
+    kind: WatchKind = "auto"
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)  # 0: a free port at start
     args: dict[str, Any] = Field(default_factory=dict)  # EngineConfig settings, as `kvops engine serve` flags
@@ -168,42 +169,12 @@ class KvopsConfig(_Strict):
         return Path(os.path.expanduser(self.supervisor.state_dir))
 
 
-def first_error(exc: ValidationError) -> str:
-    error = exc.errors()[0]
-    where = _location(error.get("loc", ()))
-    message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
-    if error.get("type") == "extra_forbidden":
-        message = "unknown key"
-    given = error.get("input")
-    shown = f" (got {given!r})" if error.get("type") not in ("extra_forbidden", "missing") and not isinstance(
-        given, dict | list) else ""
-    return f"{where}: {message}{shown}" if where else f"{message}{shown}"
-
-
-def _location(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
 def parse_config(data: dict[str, Any], source: str) -> KvopsConfig:
     """Validate a config mapping; ConfigError names `source`, the key and what is allowed."""
     try:
         return KvopsConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(f"{source}: {first_error(exc)}") from None
-
-
-def read_toml(path: str | Path, what: str, example: str, error: type[Exception] = ConfigError) -> dict[str, Any]:
-    """A TOML file as a mapping; `error` names the file and, when it is missing, a file to start from."""
-    file = Path(path)
-    if not file.is_file():
-        raise error(f"{path}: no such {what} ({example} is one to start from)")
-    try:
-        return tomllib.loads(file.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise error(f"{path}: not valid TOML: {exc}") from None
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> KvopsConfig:  # type: ignore[assignment]

@@ -1,24 +1,22 @@
 """Talking to a kvops engine over its HTTP API: the only way the supervisor touches an engine.
 
-That contract (DESIGN.md) is what lets kvops watch engines it does not manage.
+That contract (docs/architecture.md) is what lets kvops watch engines it does not manage.
 """
 
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
+from kvops.schema.admin import ADMIN_ACTIONS
 from kvops.schema.reports import BlockSizeProfile, KVQuantProfile
 from kvops.schema.snapshot import Snapshot
 
 
 class EngineUnreachable(Exception):
     """The engine did not answer, or answered with an error; the message says which."""
-
-
-# Admin actions a fix may name, and the engine endpoint each one calls.
-ADMIN_ACTIONS = ("set_normalization", "set_prefix_caching", "set_eviction_policy", "set_tenant_quota")
 
 
 class EngineClient:
@@ -62,21 +60,14 @@ class EngineClient:
         return self._request("GET", "/admin/config", admin=True).json()
 
     def admin(self, action: str, params: dict[str, Any]) -> dict[str, Any]:
-        """Apply one admin action; returns the knobs after it."""
-        if action == "set_normalization":
-            response = self._request("PUT", "/admin/normalization", admin=True, json={"mode": params["mode"]})
-        elif action == "set_prefix_caching":
-            response = self._request("PUT", "/admin/prefix-caching", admin=True, json={"enabled": params["enabled"]})
-        elif action == "set_eviction_policy":
-            response = self._request("PUT", "/admin/eviction-policy", admin=True, json={"policy": params["policy"]})
-        elif action == "set_tenant_quota":
-            body: dict[str, Any] = {"quota_blocks": params.get("quota_blocks")}
-            if "cache_salt" in params:
-                body["cache_salt"] = params["cache_salt"]
-            response = self._request("PUT", f"/admin/tenants/{params['tenant']}", admin=True, json=body)
-        else:
+        """Apply one admin action (a name in kvops.schema.admin.ADMIN_ACTIONS); returns the knobs after it.
+        KeyError or ValueError when the params do not fit the action."""
+        spec = ADMIN_ACTIONS.get(action)
+        if spec is None:
             raise ValueError(f"unknown admin action {action!r}; known: {', '.join(ADMIN_ACTIONS)}")
-        return response.json()
+        # Each path field is quoted whole, so a tenant named 'a/b' stays one segment (the engine decodes it).
+        path = spec.path.format(**{name: quote(str(params[name]), safe="") for name in spec.path_params})
+        return self._request(spec.method, path, admin=True, json=spec.request_body(params)).json()
 
     def kv_quant_profile(self, timeout_s: float = 120.0) -> KVQuantProfile:
         return KVQuantProfile.model_validate_json(

@@ -5,31 +5,26 @@ through the supervisor API) or `auto`. An admin fix changes a live knob through 
 admin API; a restart fix restarts a managed engine with changed settings (drained first). After
 `verify_after_s` the diagnosis's evidence is compared with its value when the fix was applied:
 if it moved the right way (or the diagnosis is gone), the fix is kept; otherwise the previous
-setting is restored. Every step goes to the audit log, with before and after values.
+setting is restored. Every step goes to the audit log (kvops.supervisor.audit), with before and
+after values. What an admin action reads, sends and restores is kvops.schema.admin's table.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import structlog
-
+from kvops.schema.admin import ADMIN_ACTIONS
 from kvops.schema.audit import AuditEntry
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind
+from kvops.supervisor.audit import AuditLog
 from kvops.supervisor.engine_client import EngineClient, EngineUnreachable
 from kvops.supervisor.managed_engine import ManagedEngine
-
-log = structlog.get_logger("kvops.supervisor.fixes")
-
 
 
 @dataclass
@@ -47,34 +42,6 @@ class FixError(Exception):
 def _same_change(a: Fix | None, b: Fix | None) -> bool:
     """The same change (descriptions carry live numbers and differ from poll to poll)."""
     return a is not None and b is not None and (a.kind, a.action, a.params) == (b.kind, b.action, b.params)
-
-
-class AuditLog:
-    """Bounded in memory, appended to `audit.jsonl` in the state directory, and logged."""
-
-    def __init__(self, path: Path | None, max_entries: int = 1000) -> None:
-        self.path = path
-        self.entries: deque[AuditEntry] = deque(maxlen=max_entries)
-        self._ids = itertools.count(1)
-        if path is not None and path.is_file():
-            for line in path.read_text().splitlines()[-max_entries:]:
-                try:
-                    self.entries.append(AuditEntry.model_validate_json(line))
-                except ValueError:
-                    continue
-            self._ids = itertools.count(max((e.id for e in self.entries), default=0) + 1)
-
-    def record(self, **fields: Any) -> AuditEntry:
-        entry = AuditEntry(id=next(self._ids), time=time.time(), **fields)
-        self.entries.append(entry)
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a") as file:
-                file.write(entry.model_dump_json() + "\n")
-        log.info(f"fix {entry.action}", engine=entry.engine, rule=entry.rule, subject=entry.subject,
-                 fix=entry.fix.description if entry.fix else None, before=entry.before, after=entry.after,
-                 evidence_before=entry.evidence_before, evidence_after=entry.evidence_after, message=entry.message)
-        return entry
 
 
 class FixManager:
@@ -150,35 +117,18 @@ class FixManager:
     def _change(self, fix: Fix, client: EngineClient,
                 managed: ManagedEngine | None) -> tuple[dict[str, Any], dict[str, Any], Callable[[], dict[str, Any]]]:
         if fix.kind is FixKind.ADMIN:
-            knobs = client.knobs()
-            action, params = fix.action, dict(fix.params)
-            if action == "set_normalization":
-                undo_params: dict[str, Any] = {"mode": knobs["normalize_prompts"]}
-                before = {"normalize_prompts": knobs["normalize_prompts"]}
-            elif action == "set_prefix_caching":
-                undo_params = {"enabled": knobs["enable_prefix_caching"]}
-                before = {"enable_prefix_caching": knobs["enable_prefix_caching"]}
-            elif action == "set_eviction_policy":
-                undo_params = {"policy": knobs["eviction_policy"]}
-                before = {"eviction_policy": knobs["eviction_policy"]}
-            elif action == "set_tenant_quota":
-                tenant = params["tenant"]
-                salt = knobs["tenant_salts"].get(tenant)
-                if salt is not None:
-                    params["cache_salt"] = salt  # setting a quota must not reset the tenant's sharing
-                undo_params = {"tenant": tenant, "quota_blocks": knobs["tenant_quotas"].get(tenant)}
-                if salt is not None:
-                    undo_params["cache_salt"] = salt
-                before = {"tenant": tenant, "quota_blocks": knobs["tenant_quotas"].get(tenant)}
-            else:
-                raise FixError(f"unknown admin action {action!r}")
-            after = client.admin(action, params)
+            action = ADMIN_ACTIONS.get(fix.action)
+            if action is None:
+                raise FixError(f"unknown admin action {fix.action!r}; known: {', '.join(ADMIN_ACTIONS)}")
+            change = action.plan(client.knobs(), fix.params)
+            after = client.admin(action.name, change.params)
 
             def undo() -> dict[str, Any]:
-                client.admin(action, undo_params)
-                return before
+                client.admin(action.name, change.undo)
+                return change.before
 
-            return before, {k: after.get(k) for k in after if k in before} or params, undo
+            # The knobs the action changed as the engine reports them; for a tenant (no top-level knob) what was sent.
+            return change.before, {k: after.get(k) for k in after if k in change.before} or change.params, undo
         if fix.kind is FixKind.RESTART:
             if managed is None:
                 raise FixError("this fix restarts the engine with new settings, and kvops does not manage this "

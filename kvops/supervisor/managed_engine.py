@@ -9,13 +9,10 @@ killed supervisor leaves no orphan engine behind.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +23,8 @@ from typing import IO, Any
 
 import structlog
 
+from kvops.engine.args import engine_flags
+from kvops.processes import die_with_parent, free_port
 from kvops.schema.engines import EngineExit, LogLine
 from kvops.supervisor.config import EngineSpec
 from kvops.supervisor.engine_client import EngineClient, EngineUnreachable
@@ -37,34 +36,10 @@ STDERR_TAIL_LINES = 40
 LOG_TAIL_LINES = 500
 
 
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """Runs in the child before exec: the kernel sends SIGTERM when the supervisor dies."""
-    with contextlib.suppress(OSError):  # not Linux: the supervisor's own shutdown path still stops the engine
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 def engine_command(spec: EngineSpec, port: int, args: dict[str, Any]) -> list[str]:
     """The `kvops engine serve` command line for these settings."""
-    cmd = [sys.executable, "-m", "kvops", "engine", "serve", "--host", spec.host, "--port", str(port),
-           "--drain-timeout", str(spec.drain_timeout_s)]
-    for key, value in args.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            cmd.append(flag if value else flag.replace("--", "--no-", 1))
-        elif isinstance(value, list | tuple):
-            cmd += [flag, ",".join(str(v) for v in value)]
-        elif value is not None:
-            cmd += [flag, str(value)]
-    return cmd
+    return [sys.executable, "-m", "kvops", "engine", "serve", "--host", spec.host, "--port", str(port),
+            "--drain-timeout", str(spec.drain_timeout_s), *engine_flags(args)]
 
 
 class ManagedEngine:

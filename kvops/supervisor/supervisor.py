@@ -21,9 +21,10 @@ from kvops.adapters import WatchedEngineClient
 from kvops.alerting import Alerter
 from kvops.rules import evaluate_all
 from kvops.schema.diagnosis import Diagnosis, Severity
+from kvops.supervisor.audit import AuditLog
 from kvops.supervisor.config import EngineSpec, KvopsConfig
 from kvops.supervisor.engine_client import EngineClient, EngineUnreachable
-from kvops.supervisor.fixes import AuditLog, FixManager
+from kvops.supervisor.fixes import FixManager
 from kvops.supervisor.history import EngineHistory, HealthSample
 from kvops.supervisor.managed_engine import ManagedEngine
 

@@ -122,18 +122,20 @@ class _NoSupervisor:
 async def _bench_refresh(num_blocks: int, size: tuple[int, int], repeat: int,
                          by_tenant: bool) -> tuple[list[float], list[float]]:
     from kvops.top.app import KvopsTop
+    from kvops.top.widgets.block_map import BlockMapPanel
 
     app = KvopsTop(_NoSupervisor(), interval_s=3600)  # type: ignore[arg-type]
-    app._polling = True  # no poll: the states come from here
+    app.polling = True  # no poll: the states come from here
     states = [synthetic_state(1_750_000_000.0 + i, num_blocks) for i in range(4)]
     wall, cpu = [], []
     async with app.run_test(size=size) as pilot:
-        app.map_by_tenant = by_tenant
-        app._update(states[0])
+        if by_tenant:
+            app.query_one(BlockMapPanel).toggle_view()
+        app.show_state(states[0])
         await pilot.pause()
         for i in range(repeat):
             start, start_cpu = time.perf_counter(), time.process_time()
-            app._update(states[i % len(states)])
+            app.show_state(states[i % len(states)])
             await pilot.pause()  # the app handles what the update posted: layout, the screen's update
             app.screen._compositor.render_update(full=True)  # and a repaint of every cell, as after a resize
             cpu.append((time.process_time() - start_cpu) * 1000)

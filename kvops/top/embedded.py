@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import platformdirs
 
-from kvops.supervisor.managed_engine import die_with_parent, free_port
+from kvops.processes import die_with_parent, free_port
 
 STOP_TIMEOUT_S = 40.0  # the supervisor drains its engine (up to its drain timeout) before exiting
 

@@ -1,0 +1,145 @@
+"""The engines panel: every engine the supervisor watches, and below the table the highlighted
+engine's settings, or, while it has no snapshot, what it is waiting for (with a spinner)."""
+
+from __future__ import annotations
+
+import time
+
+from rich.text import Text
+from textual.app import ComposeResult
+
+from kvops.top.client import EngineView, TopState
+from kvops.top.render import capacity, fmt_duration, fmt_pct, health
+from kvops.top.widgets.common import Detail, Readout, RowTable, TablePanel
+
+SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
+
+
+class EnginesPanel(TablePanel):
+    """`connecting`: what the panel says before the supervisor has answered once (an embedded
+    supervisor being started, or the URL being tried)."""
+
+    def __init__(self, connecting: str) -> None:
+        super().__init__("engines", id="engines-panel")
+        self.connecting = connecting
+        self.state: TopState | None = None
+        self.selected: str | None = None
+        self.spin = 0
+
+    def compose(self) -> ComposeResult:
+        yield RowTable(id="engines")
+        yield Readout(id="engine-info")
+
+    def on_mount(self) -> None:
+        self.query_one(RowTable).add_columns("engine", "health", "model", "restarts")
+        self.show_info()
+        # The spinner's timer belongs to the box it redraws, so it stops when the screen is torn
+        # down instead of firing into a half-removed screen while the app exits.
+        self.query_one("#engine-info").set_interval(0.25, self.tick)
+
+    @property
+    def view(self) -> EngineView | None:
+        if self.state is None:
+            return None
+        return next((v for v in self.state.engines if v.entry.name == self.selected), None)
+
+    def show_engines(self, state: TopState, selected: str | None) -> None:
+        self.state, self.selected = state, selected
+        rows = []
+        for view in state.engines:
+            h = health(view)
+            style = "green" if h == "up" else "yellow" if h == "starting" else "bold red"
+            model = view.latest.engine.model if view.latest else "-"
+            rows.append((view.entry.name, (view.entry.name, Text(h, style=style), model, str(view.entry.restarts))))
+        self.query_one(RowTable).fill(rows)
+        self.show_info()
+
+    def select(self, name: str | None) -> None:
+        """The engine whose settings show below the table."""
+        self.selected = name
+        self.show_info()
+
+    def tick(self) -> None:
+        """Turn the spinner while something is starting."""
+        view = self.view
+        if self.state is None or (view is not None and view.latest is None):
+            self.spin += 1
+            self.show_info()
+
+    def spinner(self) -> str:
+        return SPINNER[self.spin % len(SPINNER)]
+
+    def show_info(self) -> None:
+        info = self.query_one("#engine-info", Readout)
+        if self.state is None:
+            info.show(Text(f"{self.spinner()} {self.connecting}…", style="yellow"))
+            return
+        view = self.view
+        if view is None:
+            info.show("no engines")
+            return
+        s = view.latest
+        if s is None:
+            info.show(self.waiting_text(view))
+            return
+        info.show(
+            f"[b]{view.entry.name}[/b] {health(view)}  pid {view.entry.pid or '-'}\n"
+            f"model {s.engine.model}\nblock size {s.engine.block_size}  KV dtype {s.engine.kv_cache_dtype}\n"
+            f"capacity {capacity(s)}\nuptime {fmt_duration(s.uptime_s)}  restarts {view.entry.restarts}\n"
+            f"running {s.requests.running}  waiting {s.requests.waiting}")
+
+    def waiting_text(self, view: EngineView) -> Text:
+        """What an engine without a snapshot is waiting for: its process, /health, a restart."""
+        e = view.entry
+        now = time.time()
+        text = Text()
+        if e.crash_loop:
+            text.append(f"{e.name}: CRASH LOOP, not restarting\n", style="bold red")
+            text.append(f"{e.last_error or ''}\nPOST /api/engines/{e.name}/resume restarts it")
+            return text
+        if e.restart_at is not None and e.pid is None:
+            text.append(f"{self.spinner()} {e.name}: exited; restarting in {max(0.0, e.restart_at - now):.0f} s\n",
+                        style="yellow")
+        elif e.started_at is not None:
+            text.append(f"{self.spinner()} {e.name}: starting (pid {e.pid}), {fmt_duration(now - e.started_at)}\n",
+                        style="yellow")
+            text.append(f"waiting for {e.url}/health\n")
+        else:
+            text.append(f"{self.spinner()} {e.name}: waiting for {e.url} to answer\n", style="yellow")
+        if e.last_log:
+            text.append(f"engine: {e.last_log[:200]}", style="dim")
+        elif view.error or e.last_error:
+            text.append(view.error or e.last_error or "", style="dim")
+        return text
+
+    def detail(self, key: str) -> Detail | None:
+        view = next((v for v in self.state.engines if v.entry.name == key), None) if self.state else None
+        return None if view is None else (f"engine {key}", engine_detail(view))
+
+
+def engine_detail(view: EngineView) -> Text:
+    e = view.entry
+    text = Text()
+    text.append(f"health {health(view)}  url {e.url}  pid {e.pid or '-'}  restarts {e.restarts}  "
+                f"{'managed' if e.managed else 'watched'}\n")
+    if e.last_error:
+        text.append(f"last error: {e.last_error}\n", style="red")
+    s = view.latest
+    if s is not None:
+        text.append(f"model {s.engine.model}  device {s.engine.device}  dtype {s.engine.dtype}\n"
+                    f"block size {s.engine.block_size}  KV dtype {s.engine.kv_cache_dtype}  "
+                    f"capacity {capacity(s)}\n"
+                    f"max model len {s.engine.max_model_len}  max seqs {s.engine.max_num_seqs}  "
+                    f"batched tokens {s.engine.max_num_batched_tokens}\n"
+                    f"prefix caching {'on' if s.engine.enable_prefix_caching else 'off'}  eviction "
+                    f"{s.engine.eviction_policy}  normalization {s.prefix_cache.normalization}\n"
+                    f"requests finished {s.requests.finished_total}  aborted {s.requests.aborted_total}  "
+                    f"preemptions {s.requests.preemptions_total}\n"
+                    f"prefix hit rate {fmt_pct(s.prefix_cache.hit_rate)} overall, "
+                    f"{fmt_pct(s.prefix_cache.window_hit_rate)} in the last {s.prefix_cache.window_s:g} s; "
+                    f"evictions {s.prefix_cache.evictions_total}\n"
+                    f"swap: {s.swap.preemption_mode}, host blocks {s.swap.host_blocks}, swapped "
+                    f"{s.swap.swapped_blocks}\n"
+                    f"process: cpu {s.process.cpu_percent:.0f}%  rss {s.process.rss_bytes / 2**20:.0f} MiB  "
+                    f"gpu {s.process.gpu_status}")
+    return text

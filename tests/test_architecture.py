@@ -1,0 +1,263 @@
+"""The architecture, tested: the import contracts in pyproject.toml, no private names across modules,
+no torch for the commands that only watch remote engines, and modules of a readable size.
+
+`kvops.engine` and `kvops.kernels` live in engine/ and kernels/ (setuptools' package-dir), which
+import-linter cannot see from the kvops/ folder, editable install or not: it walks the root package's
+folder. So the contracts run on a link tree of the installed layout (kvops/ with engine/ and kernels/
+linked in as kvops/engine and kvops/kernels), what `pip install -e --config-settings
+editable_mode=strict` would build. From the command line: `python tests/test_architecture.py`
+(arguments go to lint-imports, e.g. `--verbose`).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = ROOT / "pyproject.toml"
+SCANNED = ("kvops", "engine", "kernels", "benchmarks")  # where no module may use another's private names
+MAX_MODULE_LINES = 450
+
+
+def package_dirs() -> dict[str, Path]:
+    """Each mapped package's folder, from pyproject.toml's [tool.setuptools.package-dir]."""
+    mapping = tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]["package-dir"]
+    return {package: ROOT / folder for package, folder in mapping.items()}
+
+
+def build_link_tree(dest: Path) -> Path:
+    """`dest` holding the packages as they are installed: a package with mapped subpackages is a real
+    folder of links to its files, the mapped subpackages are links to their own folders."""
+    dirs = package_dirs()
+    for package in sorted(dirs, key=lambda name: name.count(".")):
+        target = dest.joinpath(*package.split("."))
+        children = {name.rpartition(".")[2] for name in dirs if name.rpartition(".")[0] == package}
+        if not children:
+            target.symlink_to(dirs[package], target_is_directory=True)
+            continue
+        target.mkdir(parents=True)
+        for entry in dirs[package].iterdir():
+            if entry.name not in children and entry.name != "__pycache__":
+                (target / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+    return dest
+
+
+def lint_imports_executable() -> str | None:
+    beside = Path(sys.executable).with_name("lint-imports")  # the one of this interpreter's environment
+    return str(beside) if beside.is_file() else shutil.which("lint-imports")
+
+
+def run_lint_imports(tree: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    executable = lint_imports_executable()
+    assert executable is not None
+    # lint-imports puts its working directory first on sys.path: run in the tree, kvops is found there.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([executable, str(PYPROJECT), "--no-cache", *args], cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+# ------------------------------------------------------------------------------ import contracts
+
+
+def test_import_contracts_hold(tmp_path: Path) -> None:
+    if lint_imports_executable() is None:
+        pytest.skip("lint-imports (import-linter, in the test extra) is not installed")
+    result = run_lint_imports(build_link_tree(tmp_path / "tree"))
+    assert result.returncode == 0, f"lint-imports found broken contracts:\n{result.stdout}\n{result.stderr}"
+
+
+def test_the_link_tree_has_the_engine_and_the_kernels(tmp_path: Path) -> None:
+    tree = build_link_tree(tmp_path / "tree")
+    assert (tree / "kvops" / "engine" / "__init__.py").is_file()
+    assert (tree / "kvops" / "kernels" / "__init__.py").is_file()
+    assert (tree / "kvops" / "cli.py").is_file()
+
+
+# ------------------------------------------------------------------------------ private names
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of kvops by its dotted name, in the installed layout."""
+    found: dict[str, Path] = {}
+    for package, folder in package_dirs().items():
+        for file in folder.rglob("*.py"):
+            parts = list(file.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([package, *parts])] = file
+    return found
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _dotted(node: ast.expr) -> str | None:
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def private_uses(file: Path, modules: dict[str, Path], root: Path = ROOT) -> list[str]:
+    """`from kvops.x import _name` (or of a private module), and `module._name` on a kvops module imported
+    by name, each as `file:line: what`."""
+    tree = ast.parse(file.read_text(), filename=str(file))
+    where = file.relative_to(root)
+    found: list[str] = []
+    bound: dict[str, str] = {}  # local name -> the kvops module it is
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            own = node.level > 0 or module.split(".")[0] == "kvops"  # another project's privates are its business
+            if not own:
+                continue
+            source = "." * node.level + module
+            if any(_private(part) for part in module.split(".")):
+                found.append(f"{where}:{node.lineno}: from {source} import ...")
+            for alias in node.names:
+                if _private(alias.name):
+                    found.append(f"{where}:{node.lineno}: from {source} import {alias.name}")
+                if node.level == 0 and f"{module}.{alias.name}" in modules:
+                    bound[alias.asname or alias.name] = f"{module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] != "kvops":
+                    continue
+                if any(_private(part) for part in alias.name.split(".")):
+                    found.append(f"{where}:{node.lineno}: import {alias.name}")
+                bound[alias.asname or "kvops"] = alias.name if alias.asname else "kvops"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and (base := _dotted(node.value)):
+            head, _, rest = base.partition(".")
+            if head in bound and ".".join(filter(None, [bound[head], rest])) in modules:
+                found.append(f"{where}:{node.lineno}: {base}.{node.attr}")
+    return found
+
+
+def test_no_module_uses_another_modules_private_names() -> None:
+    modules = _modules()
+    offenders = [use for folder in SCANNED for file in sorted((ROOT / folder).rglob("*.py"))
+                 for use in private_uses(file, modules)]
+    assert not offenders, "private names used across modules (make them public where they are shared):\n" + \
+        "\n".join(offenders)
+
+
+def test_the_private_name_scan_finds_each_form(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text("from __future__ import annotations\n"
+                      "from kvops.bench.report import _fmt, log\n"
+                      "from kvops.bench import report\n"
+                      "import kvops.bench.workloads as workloads\n"
+                      "import kvops.bench.peers\n"
+                      "from kvops.bench.report import __doc__\n"
+                      "from pydantic import _internal\n"
+                      "report._fmt(1), workloads._log_uniform, kvops.bench.peers._cb_per_request, report.log\n")
+    assert sorted(private_uses(sample, _modules(), root=tmp_path)) == [
+        "sample.py:2: from kvops.bench.report import _fmt",
+        "sample.py:8: kvops.bench.peers._cb_per_request",
+        "sample.py:8: report._fmt",
+        "sample.py:8: workloads._log_uniform",
+    ]
+
+
+# ------------------------------------------------------------------------------ no torch for watching
+
+# Records which module first imported each module, so a failure names the chain that pulled torch in.
+PROBE = """
+import sys
+
+IMPORTED_BY = {}
+
+
+class Recorder:
+    def find_spec(self, name, path=None, target=None):
+        if name not in IMPORTED_BY:
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_globals.get("__name__", "").startswith(("importlib", "_frozen")):
+                frame = frame.f_back
+            IMPORTED_BY[name] = frame.f_globals.get("__name__", "?") if frame is not None else "?"
+        return None
+
+
+sys.meta_path.insert(0, Recorder())
+%s
+if "torch" in sys.modules:
+    chain = ["torch"]
+    while chain[-1] in IMPORTED_BY and IMPORTED_BY[chain[-1]] not in chain:
+        chain.append(IMPORTED_BY[chain[-1]])
+    print("torch was imported: " + " <- ".join(chain), file=sys.stderr)
+    sys.exit(3)
+"""
+
+
+def _closed_port() -> int:
+    """A port nothing listens on (bound once by the OS, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _cli(argv: list[str]) -> str:
+    return f"from kvops.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+
+
+def _watching(case: str, tmp_path: Path) -> str:
+    url = f"http://127.0.0.1:{_closed_port()}"
+    if case == "doctor":
+        return _cli(["doctor", "--url", url])
+    if case == "top":
+        return _cli(["top", "--once", "--attach", url])
+    config = tmp_path / "kvops.toml"
+    config.write_text(f'[supervisor]\nstate_dir = "{tmp_path / "state"}"\n\n'
+                      f'[[engines]]\nname = "remote"\nurl = "{url}"\nmanaged = false\n')
+    if case == "run":
+        return _cli(["run", "--config", str(config), "--check-config"])
+    # The supervisor itself, built for that config as `kvops run` builds it (not started: no polling).
+    return ("from kvops.supervisor.api import build_supervisor_app\n"
+            "from kvops.supervisor.config import load_config\n"
+            "from kvops.supervisor.supervisor import Supervisor\n"
+            f"supervisor = Supervisor(load_config({str(config)!r}))\n"
+            "build_supervisor_app(supervisor)\n")
+
+
+@pytest.mark.parametrize("case", ["doctor", "top", "run", "supervisor"])
+def test_watching_remote_engines_does_not_import_torch(case: str, tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-c", PROBE % _watching(case, tmp_path)], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, f"{case}: {result.stderr.strip().splitlines()[-1:] or result.stderr}\n" \
+                                   f"{result.stderr}"
+
+
+# ------------------------------------------------------------------------------ module size
+
+
+def test_modules_are_small_enough_to_read() -> None:
+    sizes = {file.relative_to(ROOT): len(file.read_text().splitlines())
+             for folder in package_dirs().values() for file in folder.rglob("*.py")}
+    offenders = [f"{path}: {lines} lines" for path, lines in sorted(sizes.items()) if lines > MAX_MODULE_LINES]
+    assert not offenders, f"modules over {MAX_MODULE_LINES} lines (split them by job):\n" + "\n".join(offenders)
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    if lint_imports_executable() is None:
+        sys.exit("lint-imports is not installed: pip install -e '.[test]'")
+    with tempfile.TemporaryDirectory() as scratch:
+        outcome = run_lint_imports(build_link_tree(Path(scratch) / "tree"), *sys.argv[1:])
+    print(outcome.stdout, end="")
+    print(outcome.stderr, end="", file=sys.stderr)
+    sys.exit(outcome.returncode)
