@@ -76,6 +76,10 @@ def _bench(argv: list[str]) -> int:
         from kvops.bench import kv_quant as bench_kv
 
         return bench_kv.main(argv[1:])
+    if argv[:1] == ["compare"]:
+        from kvops.bench import compare as bench_compare
+
+        return bench_compare.main(argv[1:])
     if argv[:1] == ["load"]:
         from kvops import loadgen
 
@@ -151,8 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("scenario", help="reproduce each diagnosis on the real engine (`kvops scenario list`)",
                         add_help=False)
     commands.add_parser("bench", help="benchmark the engine against transformers (`kvops bench --help`), the KV "
-                        "cache dtypes against each other (`kvops bench kv-quant --help`), or send a workload to "
-                        "an engine (`kvops bench load --help`)",
+                        "cache dtypes against each other (`kvops bench kv-quant --help`), send a workload to "
+                        "an engine (`kvops bench load --help`), or compare servers side by side with the same "
+                        "requests (`kvops bench compare --help`)",
                         add_help=False)
     return parser
 

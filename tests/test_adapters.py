@@ -109,7 +109,7 @@ def test_engine_kind_in_the_config():
     config = parse_config({"engines": [{"name": "v", "url": "http://10.0.0.5:8000", "kind": "vllm"}]}, "t")
     assert config.engines[0].kind == "vllm" and not config.engines[0].managed
     assert parse_config({"engines": [{"name": "w", "url": "http://10.0.0.5:8000"}]}, "t").engines[0].kind == "auto"
-    with pytest.raises(ConfigError, match="kvops manages only kvops engines"):
+    with pytest.raises(ConfigError, match="a sglang server is watched"):
         parse_config({"engines": [{"name": "m", "kind": "sglang"}]}, "t")
     with pytest.raises(ConfigError, match="kind"):
         parse_config({"engines": [{"name": "x", "url": "http://h:1", "kind": "tgi"}]}, "t")

@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
 
 from kvops.bench.engine import main
+from kvops.processes import free_port
 
 
 def test_quick_bench_writes_comparable_results(tmp_path, capsys):
@@ -44,3 +53,82 @@ def test_kv_quant_bench_with_a_budget_too_small_says_so(capsys):
 
     assert kv_main(["--quick", "--kv-cache-memory", "8MiB"]) == 2
     assert "raise --kv-cache-memory" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------- kvops bench compare
+
+
+def test_compare_with_an_unreachable_url_says_so_in_one_line(capsys):
+    from kvops.cli import main as cli_main
+
+    assert cli_main(["bench", "compare", "http://127.0.0.1:9", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cannot reach http://127.0.0.1:9" in err and "Traceback" not in err
+    assert cli_main(["bench", "compare", "localhost:9"]) == 2
+    assert "not an http(s) URL" in capsys.readouterr().err
+
+
+def test_compare_workloads_scale_down_to_seconds():
+    from kvops.bench.compare import shapes
+
+    full = {s.name: s for s in shapes(1.0)}
+    assert (full["stream"].requests, full["stream"].max_tokens) == (1, 64)
+    assert (full["chats"].requests, full["chats"].max_tokens) == (16, 64)
+    assert (full["shared-prefix"].requests, full["shared-prefix"].max_tokens, full["shared-prefix"].prefix_tokens) == (
+        16, 32, 600)
+    tiny = {s.name: s for s in shapes(0.1)}
+    assert tiny["chats"].requests == 2 and tiny["chats"].max_tokens == 6 and tiny["shared-prefix"].prefix_tokens == 60
+
+
+@pytest.fixture(scope="module")
+def kvops_engine() -> Iterator[str]:
+    """A real `kvops engine serve` with a small KV pool."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvops", "engine", "serve", "--port", str(port),
+                             "--kv-cache-memory", "64MiB", "--max-model-len", "1024"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"engine exited {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "engine did not become healthy in 180 s"
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_compare_sends_the_same_requests_to_each_server_in_alternating_order(kvops_engine, tmp_path, capsys):
+    from kvops.cli import main as cli_main
+
+    out = tmp_path / "compare.json"
+    # The same engine twice, under two names: the comparison machinery end to end, in seconds.
+    assert cli_main(["bench", "compare", kvops_engine, kvops_engine, "--names", "a,b", "--scale", "0.1",
+                     "--rounds", "2", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert [s["name"] for s in report["servers"]] == ["a", "b"]
+    assert all(s["ignore_eos"] and s["model"] for s in report["servers"])
+    assert report["machine"]["cores"] and report["date"] and report["command"].startswith("kvops bench compare ")
+    assert set(report["workloads"]) == {"stream", "chats", "shared-prefix"}
+    for workload in report["workloads"].values():
+        assert workload["orders"] == [["a", "b"], ["b", "a"]]  # a slow spell hits both
+        for result in workload["servers"].values():
+            # greedy with ignore_eos: every server generates exactly what was asked
+            assert result["tokens"] == workload["requested_tokens"] and result["complete"]
+            assert result["tok_s"] > 0 and len(result["rounds_tok_s"]) == 2
+        assert workload["ratio_to_first"]["a"] == 1.0 and workload["ratio_to_first"]["b"] > 0
+    assert report["workloads"]["shared-prefix"]["prefix_tokens"] == 60
+    assert "| workload | a tok/s | b tok/s | b / a |" in table and "| chats: 2 concurrent chats x 6 tokens |" in table

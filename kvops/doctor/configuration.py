@@ -130,11 +130,22 @@ def kv_dtype_check(kv_cache_dtype: str, device: str, prefix: str = "") -> Check:
                  remedy="--kv-cache-dtype auto, int8, fp8 or int4")
 
 
+# Per server kind: where its start-up log gives the pool size, and how prefix caching is turned on.
+POOL_LOG_LINE = {"vllm": "vLLM: 'GPU KV cache size'",
+                 "sglang": "SGLang: 'max_total_num_tokens'"}
+PREFIX_CACHING_ON = {"kvops": "PUT /admin/prefix-caching {\"enabled\": true} (live), or restart with "
+                              "--enable-prefix-caching",
+                     "vllm": "restart with --enable-prefix-caching",
+                     "sglang": "restart without --disable-radix-cache"}
+
+
 def snapshot_checks(snap: Snapshot) -> list[Check]:
     """The configuration a running engine reports (for vLLM and SGLang, what their scrape shows of it)."""
     engine = snap.engine
     checks: list[Check] = []
-    if snap.knows("engine.bytes_per_token") and snap.knows("engine.num_blocks") and engine.bytes_per_token > 0:
+    known = all(snap.knows(f"engine.{key}")
+                for key in ("bytes_per_token", "num_blocks", "max_model_len", "max_num_seqs"))
+    if known and engine.bytes_per_token > 0 and engine.max_model_len > 0:
         capacity = Capacity(engine.num_blocks, engine.block_size, engine.bytes_per_token, engine.max_model_len)
         checks.append(_fits("", capacity, engine.kv_cache_bytes))
         checks.append(_concurrency("", capacity, engine.max_num_seqs))
@@ -151,8 +162,7 @@ def snapshot_checks(snap: Snapshot) -> list[Check]:
         missing = [p for p in ("engine.num_blocks", "engine.max_model_len", "engine.bytes_per_token")
                    if not snap.knows(p)]
         remedy = ("max_model_len comes from /v1/models: kvops doctor --url URL" if "engine.num_blocks" not in missing
-                  else "the pool size is in the server's start-up log (vLLM: 'GPU KV cache size', SGLang: "
-                       "'max_total_num_tokens')")
+                  else f"the pool size is in the server's start-up log ({POOL_LOG_LINE.get(snap.source, '')})")
         checks.append(Check(section=SECTION, title="KV budget vs max_model_len", status=Status.SKIPPED,
                             evidence=f"{snap.source} does not report {', '.join(missing)}", remedy=remedy))
     if snap.knows("engine.kv_cache_dtype"):
@@ -163,10 +173,9 @@ def snapshot_checks(snap: Snapshot) -> list[Check]:
             checks.append(Check(section=SECTION, title=f"KV dtype {engine.kv_cache_dtype}", status=Status.OK,
                                 evidence=f"in use by the {snap.source} server"))
     if snap.knows("engine.enable_prefix_caching") and not engine.enable_prefix_caching:
-        flag = "--enable-prefix-caching" if snap.source != "sglang" else "drop --disable-radix-cache"
         checks.append(Check(section=SECTION, title="Prefix caching", status=Status.WARN,
                             evidence="off: shared prompt prefixes are recomputed every time",
-                            remedy=f"restart with {flag} (kvops engines: PUT /admin/prefix-caching, live)"))
+                            remedy=PREFIX_CACHING_ON.get(snap.source, "")))
     return checks
 
 

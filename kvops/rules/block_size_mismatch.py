@@ -18,15 +18,20 @@ Two observations from the live engine are reported beside it:
 
 Without a profile, strong periodicity and fragmentation together give only an `info` diagnosis
 proposing the measurement (setting `suggest_profile`), never a block-size change.
+
+Beside speed, capacity: `kvops.rules.block_size_waste` computes from the request-length histograms the
+share of KV slots the block size leaves empty at every block size the engine takes, and proposes the one
+that holds the fewest (subject "capacity"; every engine with blocks, vLLM included). On a kvops engine
+the measured-speed profile above still decides whether a size decodes faster.
 """
 
 from __future__ import annotations
 
 from pydantic import Field
 
+from kvops.rules.block_size_waste import CapacitySettings, capacity_diagnoses
 from kvops.rules.common import (
     Evidence,
-    SnapshotRuleSettings,
     diagnosis,
     fresh_latest,
     median,
@@ -36,15 +41,16 @@ from kvops.rules.common import (
 )
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
 from kvops.schema.reports import BlockSizeProfile, BlockSizeTiming
-from kvops.schema.snapshot import StepSample
+from kvops.schema.snapshot import Snapshot, StepSample
 from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "block_size_mismatch"
 TITLE = "Block-size mismatch: another block size decodes measurably faster"
-DESCRIPTION = "the block-size profile measured a candidate block size whose decode step is clearly faster"
+DESCRIPTION = ("the block-size profile measured a candidate block size whose decode step is clearly faster, or "
+               "the request lengths leave much of each last block empty at the configured size")
 
 
-class Settings(SnapshotRuleSettings):
+class Settings(CapacitySettings):
     min_slowdown: float = Field(
         0.10, gt=0, description="fire when the configured block size's decode step is this much slower than the "
                                 "proposed candidate's (0.10: 10%)")
@@ -109,6 +115,29 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
     latest = fresh_latest(history, now, settings.max_snapshot_age_s)
     if latest is None:
         return []
+    # Speed stays measured: a size the profile timed clearly slower than the configured one is not proposed
+    # for capacity either.
+    profile = _usable_profile(history, settings, now, latest.engine.block_size)
+    configured = _timing(profile, latest.engine.block_size) if profile is not None else None
+    slower = {c.block_size for c in profile.candidates
+              if c.decode_step_ms > configured.decode_step_ms * (1 + settings.min_slowdown)} if configured else set()
+    return (_speed(history, settings, now, latest)
+            + capacity_diagnoses(history, settings, latest, RULE_ID, exclude=slower))
+
+
+def _usable_profile(history: EngineHistory, settings: Settings, now: float,
+                    block_size: int) -> BlockSizeProfile | None:
+    """The history's block-size profile, unless it is of another configuration (taken before a restart), old,
+    or measured on the fixed default lengths (before anything was served): those say nothing about this
+    engine's workload."""
+    profile = history.block_size_profile
+    if profile is not None and (profile.configured != block_size or profile.lengths_from != "recent"
+                                or now - profile.measured_at > settings.max_profile_age_s):
+        return None
+    return profile
+
+
+def _speed(history: EngineHistory, settings: Settings, now: float, latest: Snapshot) -> list[Diagnosis]:
     block_size = latest.engine.block_size
     span = run_span(latest, settings.window_s)
     snaps = history.window(span)
@@ -127,12 +156,7 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
         "fragmentation": rounded(fragmentation),
     }
 
-    # A profile of another configuration (taken before a restart), an old one, or one measured on the
-    # fixed default lengths (before anything was served) says nothing about this engine's workload.
-    profile = history.block_size_profile
-    if profile is not None and (profile.configured != block_size or profile.lengths_from != "recent"
-                                or now - profile.measured_at > settings.max_profile_age_s):
-        profile = None
+    profile = _usable_profile(history, settings, now, block_size)
     if profile is not None:
         configured = _timing(profile, block_size)
         proposal = faster_block_size(profile, configured, settings) if configured is not None else None

@@ -186,11 +186,17 @@ def blocks_per_seq(snaps: list[Snapshot]) -> float | None:
         candidates.append(blocks_for(latest.requests.live_requested_len_p50, engine.block_size))
     p95 = latest.prompt_lengths.p95
     finished = latest.requests.finished_total
-    if p95 is not None and finished > 0:
+    generations = latest.generation_lengths
+    if p95 is not None and generations is not None and generations.count > 0:
+        # The finished requests' own generation lengths (vLLM); the counter also counts running ones.
+        candidates.append(blocks_for(math.ceil(p95 + generations.sum / generations.count), engine.block_size))
+    elif p95 is not None and finished > 0:
         mean_generation = latest.requests.generation_tokens_total / finished
         candidates.append(blocks_for(math.ceil(p95 + mean_generation), engine.block_size))
     if not candidates or max(candidates) <= 0:
         return None
+    if engine.max_model_len <= 0:  # not reported (a scrape without /v1/models): no cap
+        return max(candidates)
     return min(max(candidates), blocks_for(engine.max_model_len, engine.block_size))
 
 
@@ -298,6 +304,13 @@ def _capacity_fix(latest: Snapshot, blocks_per_seq: float, target_usage: float,
                    description=f"{reason}: restart with kv_cache_memory={budget_bytes} bytes ({budget_blocks} blocks, "
                                f"+{extra_bytes} bytes; the GPU has {free} free) so {engine.max_num_seqs} sequences "
                                f"of ~{blocks_per_seq:.1f} blocks fit"), numbers
+    if engine.max_num_seqs <= 0:  # not reported (vLLM, SGLang): cap concurrency at what fits
+        if not latest.knows("engine.num_blocks"):
+            return None, numbers  # the pool's size is a nominal one: nothing to size from
+        return Fix(kind=FixKind.RESTART, action="restart_engine", params={"max_num_seqs": fit_seqs},
+                   description=f"{reason}: restart with max_num_seqs={fit_seqs}: {fit_seqs} sequences of "
+                               f"~{blocks_per_seq:.1f} blocks fit in {target_usage:.0%} of {engine.num_blocks} "
+                               f"blocks; or enlarge the KV pool"), numbers
     if fit_seqs < engine.max_num_seqs:
         return Fix(kind=FixKind.RESTART, action="restart_engine", params={"max_num_seqs": fit_seqs},
                    description=f"{reason}: restart with max_num_seqs={fit_seqs} (now {engine.max_num_seqs}): "

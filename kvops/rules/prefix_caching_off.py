@@ -3,6 +3,10 @@
 With caching disabled the engine still looks every prompt up in a shadow cache of the same size
 (`potential_*` counters): the hit rate caching would have had. Over the window (counter deltas,
 only while caching has been off), a high potential hit rate is prefill work thrown away.
+
+vLLM and SGLang have no such shadow cache: with caching off on a server that prefilled at least
+`min_queried_tokens` prompt tokens in the window, the rule says so as `info` (what caching would
+have saved is not measured), with the server's own flag as the fix.
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ from pydantic import Field
 
 from kvops.rules.common import PrefixCacheRuleSettings, cache_lookups, covered_steady_span, diagnosis, fresh_latest
 from kvops.schema.admin import SET_PREFIX_CACHING
-from kvops.schema.diagnosis import Diagnosis, Severity, Verification
+from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
+from kvops.schema.snapshot import Snapshot
 from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "prefix_caching_off"
@@ -31,6 +36,8 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
     span = covered_steady_span(history, latest, settings, lambda s: s.engine.enable_prefix_caching)
     if span is None:
         return []
+    if not latest.knows("prefix_cache.potential_hit_rate"):
+        return _unmeasured(history, settings, latest, span)
     potential_queries, potential_hits = cache_lookups(history, span, "potential_")
     if potential_queries < settings.min_queried_tokens:
         return []
@@ -55,5 +62,23 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
         fix=SET_PREFIX_CACHING.fix({"enabled": True}, f"enable prefix caching: the shadow cache measured a "
                                                       f"{potential_hit_rate:.0%} hit rate"),
         # From 0 any rise counts (the verifier takes the absolute change when the value before is 0).
+        verification=Verification(evidence_key="hit_rate", better="higher", min_change=0.0),
+    )]
+
+
+def _unmeasured(history: EngineHistory, settings: Settings, latest: Snapshot, span: float) -> list[Diagnosis]:
+    """A server without a shadow cache (vLLM, SGLang): caching is off while it prefills many prompt tokens."""
+    prompt_tokens = history.delta(lambda s: s.requests.prompt_tokens_total, span) or 0.0
+    if prompt_tokens < settings.min_queried_tokens or not latest.knows("requests.prompt_tokens_total"):
+        return []
+    summary = (f"prefix caching is off: {prompt_tokens:.0f} prompt tokens prefilled in the last {span:.0f} s, none "
+               f"looked up ({latest.source} does not measure what caching would have served)")
+    flag = "--enable-prefix-caching" if latest.source == "vllm" else "enable_prefix_caching"
+    return [diagnosis(
+        history, RULE_ID, TITLE, Severity.INFO, summary,
+        {"enable_prefix_caching": False, "prompt_tokens": int(prompt_tokens), "potential_hit_rate": None,
+         "hit_rate": 0.0, "window_s": round(span, 1)},
+        fix=Fix(kind=FixKind.RESTART, action="restart_engine", params={"enable_prefix_caching": True},
+                description=f"restart with {flag}: shared prompt prefixes are then prefilled once"),
         verification=Verification(evidence_key="hit_rate", better="higher", min_change=0.0),
     )]

@@ -6,7 +6,9 @@ shadow cache and counts what would have hit. Over the window (counter deltas, th
 only), a shadow hit rate far above the real one is the measured gain of turning normalization on.
 
 With normalization `off` there is nothing to compare; when the hit rate is low on many prompts the
-rule may propose `shadow` mode as a measurement (an `info` diagnosis, setting `suggest_shadow`).
+rule may propose `shadow` mode as a measurement (an `info` diagnosis, setting `suggest_shadow`). A vLLM
+or SGLang server has no normalization and no shadow cache: there the same low hit rate is an `info`
+diagnosis whose advice is to make shared prefixes byte-identical.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pydantic import Field
 
 from kvops.rules.common import PrefixCacheRuleSettings, cache_lookups, covered_steady_span, diagnosis, fresh_latest
 from kvops.schema.admin import SET_NORMALIZATION
-from kvops.schema.diagnosis import Diagnosis, Severity, Verification
+from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
 from kvops.schema.snapshot import Snapshot
 from kvops.supervisor.history import EngineHistory
 
@@ -33,6 +35,10 @@ class Settings(PrefixCacheRuleSettings):
     shadow_probe_max_hit_rate: float = Field(0.2, ge=0, le=1, description="... 'low': at most this hit rate")
     shadow_probe_min_requests: int = Field(50, ge=1, description="... 'many': at least this many requests finished "
                                                                  "in the window")
+
+
+EXTERNAL_ADVICE = ("make shared prompt prefixes byte-identical (no timestamps, request ids or stray whitespace "
+                   "before the shared part); kvops's prompt normalization needs a kvops engine")
 
 
 def _normalization(snap: Snapshot) -> tuple[str, bool]:
@@ -83,11 +89,14 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
     if (queries < settings.min_queried_tokens or requests < settings.shadow_probe_min_requests
             or hit_rate > settings.shadow_probe_max_hit_rate):
         return []
-    summary = (f"the prefix cache hits {hit_rate:.0%} of {queries:.0f} prompt tokens over {requests:.0f} requests: "
-               f"measure whether normalization would help")
-    # Shadow mode changes nothing served; it only measures. No verification: it is not a fix.
-    measure = SET_NORMALIZATION.fix({"mode": "shadow"}, "switch prompt normalization to shadow mode to measure the "
-                                                        "hit rate it would give")
+    summary = f"the prefix cache hits {hit_rate:.0%} of {queries:.0f} prompt tokens over {requests:.0f} requests"
+    if latest.source == "kvops":
+        summary += ": measure whether normalization would help"
+        # Shadow mode changes nothing served; it only measures. No verification: it is not a fix.
+        measure = SET_NORMALIZATION.fix({"mode": "shadow"}, "switch prompt normalization to shadow mode to measure "
+                                                            "the hit rate it would give")
+    else:
+        measure = Fix(kind=FixKind.REPORT, action="advice", description=EXTERNAL_ADVICE)
     return [diagnosis(history, RULE_ID, TITLE, Severity.INFO, summary, {
         "normalization": mode, "hit_rate": round(hit_rate, 4), "queried_tokens": int(queries),
         "requests": int(requests), "window_s": round(span, 1)}, fix=measure)]

@@ -230,6 +230,9 @@ class Snapshot(BaseModel):
     prefix_cache: PrefixCacheStats
     requests: RequestStats
     prompt_lengths: Histogram
+    # Generated tokens per finished request, where the source reports them (vLLM's
+    # request_generation_tokens); None: only the mean is known (generation_tokens_total / finished_total).
+    generation_lengths: Histogram | None = None
     steps: list[StepSample]  # recent engine steps, oldest first (decode latency series)
     swap: SwapStats
     tenants: dict[str, TenantStats]

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from urllib.parse import urlparse
 
 import platformdirs
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from kvops.alerting import AlertingConfig
 from kvops.config_files import first_error, read_toml
@@ -23,6 +23,12 @@ from kvops.engine.config import EngineConfig
 from kvops.engine.errors import ConfigError
 from kvops.rules import RULES
 from kvops.schema.kinds import WatchKind
+from kvops.vllm.flags import check_args as check_vllm_args
+
+# The kinds kvops starts itself ("auto" is a kvops engine when managed), how their [engines.args] are checked,
+# and how long a start may take by default: vLLM compiles at its first start (~4 min on 2 cores), ~1 min later.
+MANAGED_KINDS = ("auto", "kvops", "vllm")
+VLLM_HEALTH_TIMEOUT_S = 600.0
 
 Policy = Literal["off", "suggest", "auto"]
 
@@ -63,9 +69,11 @@ class EngineSpec(_Strict):
     kind: WatchKind = "auto"
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)  # 0: a free port at start
-    args: dict[str, Any] = Field(default_factory=dict)  # EngineConfig settings, as `kvops engine serve` flags
+    # kvops: EngineConfig settings, as `kvops engine serve` flags; vllm: vLLM's flags in snake_case (kvops.vllm.flags)
+    args: dict[str, Any] = Field(default_factory=dict)
+    python: str | None = None  # kind = "vllm": the interpreter that has vLLM (default: kvops.vllm.flags.resolve_python)
     admin_token_env: str | None = None  # watched engine: env var with its admin token (needed for fixes)
-    health_timeout_s: float = Field(180.0, gt=0)
+    health_timeout_s: float = Field(180.0, gt=0)  # a managed vLLM: VLLM_HEALTH_TIMEOUT_S unless given
     drain_timeout_s: float = Field(30.0, gt=0)
     restart: RestartPolicy = Field(default_factory=RestartPolicy)
 
@@ -76,17 +84,9 @@ class EngineSpec(_Strict):
 
     @field_validator("args")
     @classmethod
-    def _args(cls, value: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(value) - set(ENGINE_SETTINGS))
-        if unknown:
-            raise ValueError(f"unknown engine setting {unknown[0]!r}; allowed: {', '.join(ENGINE_SETTINGS)}")
-        try:
-            EngineConfig(**value)
-        except ConfigError as exc:
-            raise ValueError(str(exc)) from None
-        except TypeError as exc:
-            raise ValueError(f"bad engine setting: {exc}") from None
-        return value
+    def _args(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        check = _ARG_CHECKS.get(info.data.get("kind", "auto"))
+        return value if check is None else check(value)
 
     @model_validator(mode="after")
     def _managed_or_watched(self) -> EngineSpec:
@@ -96,11 +96,33 @@ class EngineSpec(_Strict):
             raise ValueError("a managed engine gets its URL from host and port: drop url, or set managed = false")
         if not self.managed and self.url is None:
             raise ValueError("a watched engine (managed = false) needs url, e.g. url = \"http://10.0.0.5:8000\"")
-        if self.managed and self.kind not in ("auto", "kvops"):
-            raise ValueError(f"kvops manages only kvops engines: a {self.kind} server is watched (give its url)")
+        if self.managed and self.kind not in MANAGED_KINDS:
+            raise ValueError(f"kvops manages kvops and vLLM engines: a {self.kind} server is watched (give its url)")
         if not self.managed and self.args:
             raise ValueError("args apply to managed engines only: kvops cannot change a watched engine's flags")
+        if self.python is not None and (self.kind != "vllm" or not self.managed):
+            raise ValueError("python applies to a managed vLLM (kind = \"vllm\") only")
+        if self.kind == "vllm" and "health_timeout_s" not in self.model_fields_set:
+            self.health_timeout_s = VLLM_HEALTH_TIMEOUT_S
         return self
+
+
+def _check_kvops_args(value: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(value) - set(ENGINE_SETTINGS))
+    if unknown:
+        raise ValueError(f"unknown engine setting {unknown[0]!r}; allowed: {', '.join(ENGINE_SETTINGS)}")
+    try:
+        EngineConfig(**value)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+    except TypeError as exc:
+        raise ValueError(f"bad engine setting: {exc}") from None
+    return value
+
+
+# How a managed engine's [engines.args] are checked, by kind (vLLM's flags are checked against the installed vLLM
+# by `kvops run --check-config`, which asks its interpreter).
+_ARG_CHECKS = {"auto": _check_kvops_args, "kvops": _check_kvops_args, "vllm": check_vllm_args}
 
 
 class RuleConfig(_Strict):

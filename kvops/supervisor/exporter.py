@@ -2,11 +2,17 @@
 
 Everything is read from the supervisor's state at scrape time (a custom collector), so the
 exposition can never disagree with the supervisor API.
+
+Per engine it also republishes the numbers that mean the same on every kind of engine (KV usage,
+prefix cache, queue, preemptions, block size), read from the snapshot it holds for the engine: the
+kvops engine's own `/stats`, or vLLM's and SGLang's `/metrics` read by `kvops.adapters`. They carry
+the labels `engine` and `kind`, so one alert or dashboard query works on every kind. A field the
+engine does not report (`Snapshot.unknown`) has no series, rather than a made-up 0.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -16,11 +22,70 @@ from prometheus_client.registry import Collector
 
 from kvops import __version__
 from kvops.schema.diagnosis import Severity
+from kvops.schema.snapshot import Snapshot
 
 if TYPE_CHECKING:
-    from kvops.supervisor.supervisor import Supervisor
+    from kvops.supervisor.supervisor import EngineState, Supervisor
 
 FIX_OUTCOMES = ("proposed", "applied", "verified", "rolled_back", "reverted", "failed")
+ENGINE_LABELS = ["engine", "kind"]
+
+
+def engine_kind(state: EngineState) -> str:
+    """The engine's kind: its latest snapshot's source, else the configured kind (a managed `auto` is a kvops
+    engine; a watched one stays `auto` until it first answers)."""
+    latest = state.history.latest
+    if latest is not None:
+        return latest.source
+    kind = str(state.spec.kind)
+    return "kvops" if kind == "auto" and state.spec.managed else kind
+
+
+# Per-engine series read from the latest snapshot: (name, type, help, the field it needs, value).
+SnapshotGetter = Callable[[Snapshot], float]
+SNAPSHOT_SERIES: tuple[tuple[str, str, str, str, SnapshotGetter], ...] = (
+    ("kvops_engine_kv_cache_usage_ratio", "gauge",
+     "Fraction (0-1) of the KV pool holding running sequences' K/V; the rest is free or cached (reclaimable).",
+     "blocks.usage", lambda s: s.blocks.usage),
+    ("kvops_engine_kv_pool_blocks", "gauge", "Blocks in the engine's KV pool.",
+     "engine.num_blocks", lambda s: s.engine.num_blocks),
+    ("kvops_engine_kv_block_size_tokens", "gauge", "Tokens per KV block.",
+     "engine.block_size", lambda s: s.engine.block_size),
+    ("kvops_engine_prefix_caching_enabled", "gauge", "1 when prefix caching is on, else 0.",
+     "engine.enable_prefix_caching", lambda s: 1.0 if s.engine.enable_prefix_caching else 0.0),
+    ("kvops_engine_prefix_cache_query_tokens", "counter", "Prompt tokens looked up in the prefix cache.",
+     "prefix_cache.queries_total", lambda s: s.prefix_cache.queries_total),
+    ("kvops_engine_prefix_cache_hit_tokens", "counter", "Prompt tokens served from the prefix cache.",
+     "prefix_cache.hits_total", lambda s: s.prefix_cache.hits_total),
+    ("kvops_engine_prefix_cache_hit_ratio", "gauge",
+     "Prefix cache hits over lookups (0-1) since the engine started; rate the token counters for a window.",
+     "prefix_cache.hit_rate", lambda s: s.prefix_cache.hit_rate),
+    ("kvops_engine_requests_running", "gauge", "Requests running.",
+     "requests.running", lambda s: s.requests.running),
+    ("kvops_engine_requests_waiting", "gauge", "Requests waiting for admission.",
+     "requests.waiting", lambda s: s.requests.waiting),
+    ("kvops_engine_preemptions", "counter", "Sequences preempted for lack of KV blocks.",
+     "requests.preemptions_total", lambda s: s.requests.preemptions_total),
+    ("kvops_engine_prompt_tokens", "counter", "Prompt tokens admitted.",
+     "requests.prompt_tokens_total", lambda s: s.requests.prompt_tokens_total),
+    ("kvops_engine_generation_tokens", "counter", "Tokens generated.",
+     "requests.generation_tokens_total", lambda s: s.requests.generation_tokens_total),
+)
+
+
+def snapshot_families(states: Iterable[EngineState]) -> Iterator[Metric]:
+    """SNAPSHOT_SERIES for every engine that answered its last poll, labelled engine and kind."""
+    families = {name: (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, text, labels=ENGINE_LABELS)
+                for name, kind, text, _, _ in SNAPSHOT_SERIES}
+    for state in states:
+        snap = state.history.latest
+        if snap is None or state.history.is_up is not True:
+            continue  # no stale numbers for an engine that is down
+        labels = [state.name, snap.source]
+        for name, _, _, field, value in SNAPSHOT_SERIES:
+            if snap.knows(field):
+                families[name].add_metric(labels, float(value(snap)))
+    yield from families.values()
 
 
 class SupervisorCollector(Collector):
@@ -40,29 +105,32 @@ class SupervisorCollector(Collector):
                                 value=sup.last_poll_s)
 
         up = GaugeMetricFamily("kvops_engine_up", "1 when the engine answered its last poll.",
-                               labels=["engine", "managed"])
+                               labels=[*ENGINE_LABELS, "managed"])
         restarts = CounterMetricFamily("kvops_engine_restarts", "Restarts of a managed engine by the supervisor.",
-                                       labels=["engine"])
+                                       labels=ENGINE_LABELS)
         crash_loop = GaugeMetricFamily("kvops_engine_crash_loop", "1 when a managed engine is in a crash loop "
-                                       "and no longer restarted.", labels=["engine"])
+                                       "and no longer restarted.", labels=ENGINE_LABELS)
         errors = CounterMetricFamily("kvops_engine_poll_errors", "Polls that got no snapshot from the engine.",
-                                     labels=["engine"])
+                                     labels=ENGINE_LABELS)
+        kinds = {name: engine_kind(state) for name, state in sup.engines.items()}
         for name, state in sup.engines.items():
-            up.add_metric([name, str(state.spec.managed).lower()], 1 if state.history.is_up else 0)
-            restarts.add_metric([name], state.history.restarts_total)
-            crash_loop.add_metric([name], 1 if state.history.crash_loop else 0)
-            errors.add_metric([name], sup.poll_errors.get(name, 0))
+            up.add_metric([name, kinds[name], str(state.spec.managed).lower()], 1 if state.history.is_up else 0)
+            restarts.add_metric([name, kinds[name]], state.history.restarts_total)
+            crash_loop.add_metric([name, kinds[name]], 1 if state.history.crash_loop else 0)
+            errors.add_metric([name, kinds[name]], sup.poll_errors.get(name, 0))
         yield up
         yield restarts
         yield crash_loop
         yield errors
+        yield from snapshot_families(sup.engines.values())
 
         active = GaugeMetricFamily("kvops_diagnosis_active", "Active diagnoses by rule, severity and engine "
                                    "(the value counts subjects, e.g. tenants, when a rule fires for several).",
-                                   labels=["id", "severity", "engine"])
-        counted: dict[tuple[str, str, str], int] = {}
+                                   labels=["id", "severity", *ENGINE_LABELS])
+        counted: dict[tuple[str, str, str, str], int] = {}
         for diagnosis in sup.diagnoses:
-            key = (diagnosis.rule, diagnosis.severity.value, diagnosis.engine)
+            kind = kinds.get(diagnosis.engine, "unknown")
+            key = (diagnosis.rule, diagnosis.severity.value, diagnosis.engine, kind)
             counted[key] = counted.get(key, 0) + 1
         for key, count in sorted(counted.items()):
             active.add_metric(list(key), count)

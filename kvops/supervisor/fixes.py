@@ -134,7 +134,7 @@ class FixManager:
                 raise FixError("this fix restarts the engine with new settings, and kvops does not manage this "
                                f"engine: apply it by hand ({fix.description})")
             old_args = dict(managed.args)
-            new_args = {**old_args, **fix.params}
+            new_args = managed.settings_with(fix.params)  # kvops setting names as this engine's (e.g. vLLM flags)
             managed.restart_with(new_args)
 
             def undo_restart() -> dict[str, Any]:

@@ -1,20 +1,22 @@
-"""A managed engine: `kvops engine serve` as a child process, kept alive.
+"""A managed engine: `kvops engine serve` or vLLM's server as a child process, kept alive.
 
 The manager starts the engine, waits for `/health`, forwards its log lines, and when it exits
-records how (exit code, signal, the last lines of stderr) and restarts it with capped
+records how (exit code, signal, the last lines of its output) and restarts it with capped
 exponential backoff. Too many exits in a window is a crash loop: it stops restarting and says
 so, rather than spinning. The child dies with the supervisor (PR_SET_PDEATHSIG on Linux), so a
-killed supervisor leaves no orphan engine behind.
+killed supervisor leaves no orphan engine behind; it runs in a process group of its own, which is
+killed whole once the engine has exited, so helpers it forked (vLLM's engine core) go with it. What differs by kind (the
+command, the client, the names of settings) is its launcher (kvops.supervisor.launchers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -23,12 +25,12 @@ from typing import IO, Any
 
 import structlog
 
-from kvops.engine.args import engine_flags
 from kvops.processes import die_with_parent, free_port
 from kvops.schema.engines import EngineExit, LogLine
 from kvops.supervisor.config import EngineSpec
 from kvops.supervisor.engine_client import EngineClient, EngineUnreachable
 from kvops.supervisor.history import EngineHistory
+from kvops.supervisor.launchers import launcher_for
 
 log = structlog.get_logger("kvops.supervisor.engine")
 
@@ -36,17 +38,12 @@ STDERR_TAIL_LINES = 40
 LOG_TAIL_LINES = 500
 
 
-def engine_command(spec: EngineSpec, port: int, args: dict[str, Any]) -> list[str]:
-    """The `kvops engine serve` command line for these settings."""
-    return [sys.executable, "-m", "kvops", "engine", "serve", "--host", spec.host, "--port", str(port),
-            "--drain-timeout", str(spec.drain_timeout_s), *engine_flags(args)]
-
-
 class ManagedEngine:
     def __init__(self, spec: EngineSpec, history: EngineHistory, clock: Callable[[], float] = time.time) -> None:
         self.spec = spec
         self.history = history
         self.clock = clock
+        self.launcher = launcher_for(spec)
         self.args: dict[str, Any] = dict(spec.args)  # current settings; a restart fix changes them
         self.admin_token = secrets.token_urlsafe(24)  # only the supervisor knows it
         self.port = spec.port or free_port(spec.host)
@@ -58,6 +55,7 @@ class ManagedEngine:
         self.backoff_s = spec.restart.initial_backoff_s
         self.next_start_at: float | None = None  # when a restart is due
         self.stopping = False
+        self._readers: list[threading.Thread] = []
         self._lock = threading.RLock()
 
     @property
@@ -65,25 +63,42 @@ class ManagedEngine:
         return self.process.pid if self.process and self.process.poll() is None else None
 
     def client(self) -> EngineClient:
-        return EngineClient(self.url, self.admin_token)
+        """Reads the engine's snapshot (and, for a kvops engine, drives its admin API)."""
+        return self.launcher.client(self.url, self.admin_token)
+
+    def settings_with(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The current args with a restart fix's settings (kvops names) applied; ValueError when this kind
+        of engine has no such setting."""
+        return self.launcher.with_settings(self.args, params)
+
+    def output_tail(self, lines: int = 5) -> str:
+        """The engine's last output lines, for an error message."""
+        return " | ".join(list(self.stderr_tail)[-lines:]) or "(no output)"
 
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
         with self._lock:
-            cmd = engine_command(self.spec, self.port, self.args)
-            env = {**os.environ, "KVOPS_ADMIN_TOKEN": self.admin_token, "PYTHONUNBUFFERED": "1"}
+            launch = self.launcher.launch(self.spec, self.port, self.args, self.admin_token)
             self.stderr_tail.clear()
-            self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                                            preexec_fn=die_with_parent)
+            self.process = subprocess.Popen(launch.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                            stdin=subprocess.DEVNULL, env=launch.env, cwd=launch.cwd,
+                                            start_new_session=True, preexec_fn=die_with_parent)
             self.started_at = self.clock()
             self.next_start_at = None
             log.info("engine started", engine=self.spec.name, pid=self.process.pid, url=self.url,
                      args=self.args)
-            self._note("info", f"started pid {self.process.pid}: {' '.join(cmd[3:])}")
-            for stream, name in ((self.process.stdout, "stdout"), (self.process.stderr, "stderr")):
-                threading.Thread(target=self._forward, args=(stream, name), daemon=True,
-                                 name=f"kvops-engine-{self.spec.name}-{name}").start()
+            self._note("info", f"started pid {self.process.pid}: {' '.join(launch.argv[launch.shown_from:])}")
+            self._readers = [threading.Thread(target=self._forward, args=(stream, name), daemon=True,
+                                              name=f"kvops-engine-{self.spec.name}-{name}")
+                             for stream, name in ((self.process.stdout, "stdout"), (self.process.stderr, "stderr"))]
+            for reader in self._readers:
+                reader.start()
+
+    def _read_to_end(self, timeout_s: float = 1.0) -> None:
+        """After an exit: let the readers take the engine's last lines (they end at EOF)."""
+        for reader in self._readers:
+            reader.join(timeout=timeout_s)
 
     def _forward(self, stream: IO[bytes] | None, name: str) -> None:
         """Engine log lines into the supervisor's log (JSON lines are re-emitted field by field)."""
@@ -93,7 +108,7 @@ class ManagedEngine:
             line = raw.decode(errors="replace").rstrip()
             if not line:
                 continue
-            if name == "stderr":
+            if name in self.launcher.tail_streams:
                 self.stderr_tail.append(line)
             try:
                 record = json.loads(line)
@@ -120,16 +135,16 @@ class ManagedEngine:
         """Block until /health answers; raise EngineUnreachable naming what was waited for."""
         timeout_s = timeout_s or self.spec.health_timeout_s
         deadline = time.monotonic() + timeout_s
-        client = EngineClient(self.url, timeout_s=2.0)
+        client = self.launcher.client(self.url, None)
         last_error = "no answer yet"
         try:
             while time.monotonic() < deadline:
                 process = self.process
                 if process is None or process.poll() is not None:
-                    tail = " | ".join(list(self.stderr_tail)[-3:])
+                    self._read_to_end()
                     raise EngineUnreachable(
                         f"engine {self.spec.name!r} exited with code {process.returncode if process else None} "
-                        f"before {self.url}/health answered; last stderr: {tail or '(none)'}")
+                        f"before {self.url}/health answered; its last lines: {self.output_tail()}")
                 try:
                     client.health()
                     return
@@ -159,6 +174,8 @@ class ManagedEngine:
 
     def _on_exit(self, process: subprocess.Popen[bytes], now: float) -> None:
         code = process.returncode
+        _kill_group(process)  # what the engine forked and left behind
+        self._read_to_end()
         event = EngineExit(t=now, exit_code=code if code >= 0 else None, signal=-code if code < 0 else None,
                            stderr_tail=tuple(self.stderr_tail))
         self.history.record_exit(event)
@@ -189,18 +206,31 @@ class ManagedEngine:
             if process is None or process.poll() is not None:
                 self.process = None
                 return
-            process.send_signal(signal.SIGTERM)
+            process.send_signal(signal.SIGTERM)  # the server alone: it drains, then stops what it forked
             try:
                 process.wait(timeout=(timeout_s or self.spec.drain_timeout_s) + 5)
             except subprocess.TimeoutExpired:
                 log.warning("engine did not stop in time; killing it", engine=self.spec.name, pid=process.pid)
                 process.kill()
                 process.wait()
+            _kill_group(process)
             log.info("engine stopped", engine=self.spec.name, exit_code=process.returncode)
             self.process = None
 
     def restart_with(self, args: dict[str, Any]) -> None:
-        """Drain and stop, then start with new settings and wait until healthy (a restart fix)."""
+        """Drain and stop, then start with new settings and wait until healthy (a restart fix). When the
+        engine does not come up with them, it is started again with the previous settings and
+        EngineUnreachable says why (with the engine's last lines)."""
+        previous = dict(self.args)
+        self._restart(args)
+        try:
+            self.wait_healthy()
+        except EngineUnreachable as exc:
+            self._note("error", f"did not come up with the new settings; restoring {previous}: {exc}")
+            self._restart(previous)
+            raise EngineUnreachable(f"{exc}; restarted with the previous settings") from None
+
+    def _restart(self, args: dict[str, Any]) -> None:
         with self._lock:
             changed = {k: v for k, v in args.items() if self.args.get(k) != v}
             self._note("info", f"restarting with {changed or 'the same settings'}")
@@ -210,7 +240,6 @@ class ManagedEngine:
             self.history.crash_loop = False
             self.history.restarts_total += 1
             self.start()
-        self.wait_healthy()
 
     def resume_after_crash_loop(self) -> None:
         """A person (or a config change) says try again."""
@@ -218,3 +247,9 @@ class ManagedEngine:
             self.history.crash_loop = False
             self.backoff_s = self.spec.restart.initial_backoff_s
             self.next_start_at = self.clock()
+
+
+def _kill_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL to what is left of the engine's process group (its own session: the group id is its pid)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 from kvops.supervisor.config import KvopsConfig, load_config, parse_config
@@ -46,8 +47,31 @@ def config_from_args(args: argparse.Namespace) -> KvopsConfig:
     return config
 
 
+def check_managed_vllm(config: KvopsConfig, source: str, flags: bool) -> None:
+    """Each managed vLLM: its interpreter has vLLM and (flags) every setting in its args is a flag of that
+    vLLM. ConfigError (one line, exit 2) naming the engine and what to do."""
+    from kvops.engine.errors import ConfigError
+    from kvops.vllm.flags import installed_flags, require_vllm, resolve_python, with_drain
+
+    for index, spec in enumerate(config.engines):
+        if not spec.managed or spec.kind != "vllm":
+            continue
+        where = f"{source}: engines[{index}] ({spec.name})"
+        python = resolve_python(spec.python)
+        try:
+            location = require_vllm(python, spec.args)
+            if flags:
+                asked = installed_flags(python, location, say=lambda text: print(text, file=sys.stderr, flush=True))
+                problem = asked.problem(with_drain(spec.args, spec.drain_timeout_s))
+                if problem:
+                    raise ConfigError(problem)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    check_managed_vllm(config, args.config or "config", flags=args.check_config)
     if args.check_config:
         engines = ", ".join(f"{e.name} ({'managed' if e.managed else e.url})" for e in config.engines)
         print(f"{args.config or 'defaults'}: OK — engines: {engines}; listen {config.supervisor.listen}; "

@@ -159,6 +159,7 @@ class Supervisor:
                 state.next_kv_profile_at = state.next_block_size_profile_at = 0.0
             if not running:
                 why = "crash loop: not restarting" if state.history.crash_loop else "engine process exited"
+                why = f"{why}; its last lines: {managed.output_tail()}"
                 state.history.record_health(HealthSample(now, False, why))
                 state.last_error = why
                 return

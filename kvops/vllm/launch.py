@@ -25,11 +25,11 @@ from kvops.vllm.install import neutral_cwd
 @dataclass
 class ServerSettings:
     model: Path
-    served_model_name: str = "smollm2"
+    served_model_name: str | None = "smollm2"  # None (also dtype, max_model_len): vLLM's default
     host: str = "127.0.0.1"
     port: int = 8000
-    dtype: str = "float32"
-    max_model_len: int = 2048
+    dtype: str | None = "float32"
+    max_model_len: int | None = 2048
     # The KV budget on CPU: VLLM_CPU_KVCACHE_SPACE takes whole GiB only (vLLM 0.32 parses it with int()) and
     # overrides --kv-cache-memory-bytes when set, so a budget under 1 GiB goes as bytes and the variable is unset.
     kv_cache_space_gib: int = 1
@@ -46,9 +46,15 @@ class ServerSettings:
 
 
 def server_argv(python: Path | str, settings: ServerSettings) -> list[str]:
-    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(Path(settings.model).resolve()),
-            "--served-model-name", settings.served_model_name, "--dtype", settings.dtype,
-            "--max-model-len", str(settings.max_model_len), "--host", settings.host, "--port", str(settings.port)]
+    model = Path(settings.model).expanduser()
+    # A local directory goes absolute (vLLM runs in neutral_cwd); anything else is a model id for vLLM to fetch.
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model.resolve()) if model.exists() else str(settings.model)]
+    for flag, value in (("--served-model-name", settings.served_model_name), ("--dtype", settings.dtype),
+                        ("--max-model-len", settings.max_model_len)):
+        if value is not None:
+            argv += [flag, str(value)]
+    argv += ["--host", settings.host, "--port", str(settings.port)]
     if settings.block_size is not None:
         argv += ["--block-size", str(settings.block_size)]
     if settings.enable_prefix_caching is not None:
