@@ -63,6 +63,16 @@ def probe(url: str, timeout_s: float) -> Probe:
             return result
         result.answering = True
         health_ms = (time.perf_counter() - started) * 1000
+        engines = _supervisor_engines(http, health)
+        if engines is not None:  # a `kvops run` supervisor, whose /metrics carries kvops_ series of its engines
+            listed = ", ".join(f"{e.get('name')} ({e.get('kind')}) at {e.get('url')}" for e in engines) or "none"
+            result.checks.append(Check(
+                section=SECTION, title="Inference server", status=Status.FAIL,
+                evidence=f"{url} is a kvops supervisor (kvops run), not an engine; it watches {len(engines)} "
+                         f"engine(s): {listed}",
+                remedy="; ".join([*(f"kvops doctor --url {e.get('url')}" for e in engines if e.get("url")),
+                                  f"kvops top --attach {url}"])))
+            return result
         result.scrape = _scrape(http)
         result.models = _json(http, "/v1/models")
         result.flavour = detect_flavour(result.scrape, result.models)
@@ -92,6 +102,21 @@ def _scrape(http: httpx.Client) -> Scrape | None:
         return Scrape.parse(response.text) if response.status_code == 200 else None
     except (httpx.HTTPError, ScrapeError):
         return None
+
+
+def _supervisor_engines(http: httpx.Client, health: httpx.Response) -> list[dict[str, Any]] | None:
+    """The engines of a kvops supervisor answering at this URL (its /health counts engines and polls), else None."""
+    try:
+        body = health.json() if health.status_code == 200 else None
+    except ValueError:
+        return None
+    if not isinstance(body, dict) or "engines" not in body or "polls" not in body:
+        return None
+    try:
+        engines = http.get("/api/engines").json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    return [e for e in engines if isinstance(e, dict)] if isinstance(engines, list) else None
 
 
 def _json(http: httpx.Client, path: str) -> dict[str, Any] | None:

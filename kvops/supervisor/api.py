@@ -108,7 +108,7 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
             latest, managed = state.history.latest, state.managed
             # Before the first health check `is_up` is None: not up yet (a None here was a 500 on every call).
             out.append(EngineEntry(
-                name=name, url=state.url, kind=state.spec.kind, managed=state.spec.managed,
+                name=name, url=state.url, kind=exporter.engine_kind(state), managed=state.spec.managed,
                 up=bool(state.history.is_up),
                 pid=managed.pid if managed else (latest.engine.pid if latest else None),
                 restarts=state.history.restarts_total, crash_loop=state.history.crash_loop,
