@@ -400,7 +400,10 @@ def test_the_same_panels_and_alerts_work_for_the_vllm_engine(stack: Stack):
     firing = 'ALERTS{alertname="KvopsKvOomRuntime", alertstate="firing", engine="vllm-capture", kind="vllm"}'
     _wait("KvopsKvOomRuntime firing for the vLLM engine", lambda: stack.query(firing)["data"]["result"], 90,
           (stack.daemon,))
-    assert not stack.query('ALERTS{alertname="KvopsKvOomRuntime", engine="default"}')["data"]["result"]
+    # Not for the kvops engine, whose pool has room: a request wave can make its usage climb for a moment
+    # (pending), which is what the rule's `for: 30s` is there to absorb; it must not fire.
+    assert not stack.query('ALERTS{alertname="KvopsKvOomRuntime", alertstate="firing", engine="default"}')[
+        "data"]["result"]
 
 
 def test_killed_engine_reaches_the_webhook_through_alertmanager(stack: Stack):
