@@ -21,16 +21,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvops.engine.stats import LATENCY_BUCKETS
 from kvops.schema.snapshot import BLOCK_STATE_CODES, Snapshot
 
 log = structlog.get_logger("kvops.engine.metrics")
 
 TOKEN_BUCKETS: tuple[float, ...] = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
-# 1 ms to 5 min: fine steps where decode and first-token latencies live, coarse ones for long requests.
-LATENCY_BUCKETS: tuple[float, ...] = (
-    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0,
-)
 
 
 class _WithoutCreated(Collector):

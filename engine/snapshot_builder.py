@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from kvops import __version__
 from kvops.engine.block import BlockState
 from kvops.engine.process_stats import read_process_stats
-from kvops.engine.stats import PROMPT_LENGTH_BUCKETS, EngineStats
+from kvops.engine.stats import LATENCY_BUCKETS, PROMPT_LENGTH_BUCKETS, EngineStats
 from kvops.schema.snapshot import (
     BlockStats,
     EngineInfo,
@@ -26,6 +26,7 @@ from kvops.schema.snapshot import (
     SwapStats,
     SwapWindow,
     TenantStats,
+    bucket_quantile,
     encode_block_map,
     encode_owner_map,
     percentile_fields,
@@ -46,6 +47,8 @@ def build_snapshot(engine: LLMEngine, include_gpu: bool = True) -> Snapshot:
         prefix_cache=prefix_cache_stats(engine),
         requests=request_stats(engine),
         prompt_lengths=prompt_length_histogram(engine.stats),
+        ttft=latency_histogram(engine.stats.ttft_bucket_counts, engine.stats.ttft_seconds_sum),
+        itl=latency_histogram(engine.stats.itl_bucket_counts, engine.stats.itl_seconds_sum),
         steps=list(engine.stats.steps),
         swap=swap_stats(engine),
         tenants=tenant_stats(engine),
@@ -151,6 +154,13 @@ def prompt_length_histogram(stats: EngineStats) -> Histogram:
         count=stats.prompt_length_count,
         **percentile_fields(lambda q: percentile(recent, q)),
     )
+
+
+def latency_histogram(counts: list[int], total_s: float) -> Histogram:
+    """A latency histogram in seconds; percentiles as Prometheus's histogram_quantile reads the buckets."""
+    bounds = list(LATENCY_BUCKETS)
+    return Histogram(buckets=bounds, counts=list(counts), sum=total_s, count=sum(counts),
+                     **percentile_fields(lambda q: bucket_quantile(bounds, counts, q / 100)))
 
 
 def swap_stats(engine: LLMEngine) -> SwapStats:

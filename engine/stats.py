@@ -11,6 +11,11 @@ from dataclasses import dataclass
 from kvops.schema.snapshot import StepSample
 
 PROMPT_LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+# 1 ms to 5 min: fine steps where decode and first-token latencies live, coarse ones for long requests.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0,
+)
 
 
 @dataclass
@@ -45,6 +50,8 @@ class EngineStats:
         self.ttft_count = 0
         self.itl_seconds_sum = 0.0
         self.itl_count = 0
+        self.ttft_bucket_counts = [0] * (len(LATENCY_BUCKETS) + 1)  # the last: above every bound
+        self.itl_bucket_counts = [0] * (len(LATENCY_BUCKETS) + 1)
 
     def on_admit(self, tenant: str, prompt_len: int, hit_tokens: int) -> None:
         """A request's first admission: count its prefix-cache lookup and its prompt length."""
@@ -65,10 +72,12 @@ class EngineStats:
     def on_first_token(self, seconds: float) -> None:
         self.ttft_seconds_sum += seconds
         self.ttft_count += 1
+        self.ttft_bucket_counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
 
     def on_next_token(self, seconds: float) -> None:
         self.itl_seconds_sum += seconds
         self.itl_count += 1
+        self.itl_bucket_counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
 
     def on_step(self, sample: StepSample, generated_tokens: int) -> None:
         self.steps.append(sample)

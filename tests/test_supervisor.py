@@ -164,7 +164,7 @@ def test_engine_killed_alerts_survive_receiver_outage_and_daemon_kill(tmp_path: 
         assert notes[-1].startswith(f"started pid {new_pid}")
         # Prometheus finds the engine through the supervisor, whatever port it got
         assert daemon.get("/api/prometheus/targets") == [{"targets": [engine["url"].removeprefix("http://")],
-                                                          "labels": {"engine": "default", "kind": "auto",
+                                                          "labels": {"engine": "default", "kind": "kvops",
                                                                      "managed": "true"}}]
         # engine_down fired and resolved while the receiver was down: both wait in the outbox.
         daemon.wait("two notifications in the outbox",

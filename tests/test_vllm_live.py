@@ -5,6 +5,14 @@ One vLLM of `kvops vllm setup` for the module, started here through kvops.vllm.l
 diagnosis proposes --block-size 32. Every kvops command runs as a subprocess, as a user would run it. Marker
 `vllm`; skipped with the reason when that vLLM or the exported model is missing (the skip of
 test_vllm_managed.py).
+
+The last test adds Debian's `prometheus` (skipped when absent) with alerts/kvops.rules.yml loaded and the scrape
+config of docs/observability.md at 1 s: the `kvops run` of the module (job kvops-supervisor) and, through its HTTP
+service discovery, the vLLM itself (job kvops-engine). On live data: every dashboard panel that reads the
+per-engine series shows engine="vllm", the block size is 128 with kind="vllm", kvops's block_size_mismatch
+diagnosis is active and the KvopsBlockSizeMismatch alert pending (its `for` is 5 min), vLLM's own `vllm:` series
+are scraped, and every rule is healthy. The KV-pressure alert on a vLLM is tested with a replayed scrape in
+test_prometheus_e2e.py (a full pool held for 30 s+ would cost minutes here).
 """
 
 from __future__ import annotations
@@ -17,11 +25,25 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
+import yaml
+from test_prometheus_e2e import (
+    EVERY_KIND_PANELS,
+    PROMETHEUS,
+    RULES,
+    _dashboard_queries,
+    _query,
+    _rule_queries,
+    _scrape_configs,
+    _start,
+    _stop,
+)
 from test_vllm_managed import VLLM_PYTHON, _chats, real
 from waiting import wait_for
 
@@ -193,3 +215,109 @@ def test_doctor_on_the_supervisor_url_says_what_it_found(vllm_url, supervisor):
     assert f"[✗] Inference server: {supervisor} is a kvops supervisor (kvops run), not an engine; it watches 1 " \
            f"engine(s): vllm (vllm) at {vllm_url}" in out, out
     assert f"→ kvops doctor --url {vllm_url}; kvops top --attach {supervisor}" in out
+
+
+# ------------------------------------------------------------------ a real Prometheus on the real vLLM
+
+
+@pytest.fixture(scope="module")
+def prometheus(supervisor: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Debian's `prometheus` with alerts/kvops.rules.yml, scraping the supervisor and, through its HTTP service
+    discovery, the vLLM (the scrape config of docs/observability.md at 1 s); yields its base URL."""
+    if PROMETHEUS is None:
+        pytest.skip("needs Debian's `prometheus` (apt-get install prometheus); .ci/run installs it")
+    tmp = tmp_path_factory.mktemp("prometheus")
+    port = free_port("127.0.0.1")
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(RULES)],
+        "scrape_configs": _scrape_configs(urlsplit(supervisor).netloc),
+    }))
+    process = _start([PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
+                      f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"], tmp / "prometheus.log")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for("Prometheus ready", lambda: httpx.get(f"{url}/-/ready", timeout=2).status_code == 200, 30,
+                 (process,))
+        yield url
+    finally:
+        _stop(process)
+        log = [line for line in (tmp / "prometheus.log").read_text(errors="replace").splitlines()
+               if "Received SIGTERM" not in line]
+        if log:
+            sys.stderr.write("--- prometheus.log (tail)\n" + "\n".join(log[-20:]) + "\n")
+
+
+def _last(prometheus: str, expr: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, latest value) of every series the expression gives over the last minute."""
+    answer = _query(prometheus, expr)
+    assert answer["http"] == 200 and answer["status"] == "success", (expr, answer)
+    return [(s["metric"], float(s["values"][-1][1])) for s in answer["data"]["result"]]
+
+
+def test_prometheus_with_the_rules_scrapes_kvops_and_the_real_vllm(vllm_url, supervisor, prometheus):
+    started = time.monotonic()
+
+    def targets() -> list[dict[str, Any]] | None:
+        active = httpx.get(f"{prometheus}/api/v1/targets", timeout=5).json()["data"]["activeTargets"]
+        return active if len(active) == 2 and all(t["health"] == "up" for t in active) else None
+
+    # The supervisor's HTTP service discovery lists the watched vLLM itself: Prometheus scrapes its /metrics.
+    by_job = {t["labels"]["job"]: t for t in wait_for("both targets scraped", targets, 30, every_s=0.5)}
+    assert set(by_job) == {"kvops-supervisor", "kvops-engine"}
+    assert by_job["kvops-supervisor"]["scrapeUrl"] == f"{supervisor}/metrics"
+    engine = by_job["kvops-engine"]
+    assert engine["scrapeUrl"] == f"{vllm_url}/metrics" and engine["labels"]["engine"] == "vllm", engine
+    wait_for("the block-size diagnosis", lambda: _capacity(httpx.get(f"{supervisor}/api/diagnoses").json()), 60,
+             every_s=1)
+
+    # More requests after Prometheus's first scrapes, so rates over the counters have samples that moved.
+    _chats(vllm_url, 8)
+    wait_for("the new tokens in Prometheus", lambda: _last(
+        prometheus, 'increase(kvops_engine_generation_tokens_total{engine="vllm"}[1m]) > 0'), 30, every_s=0.5)
+
+    # Every dashboard panel that reads the per-engine series shows the vLLM.
+    engines_by_panel: dict[str, set[str]] = {}
+    for title, expr in _dashboard_queries():
+        if title in EVERY_KIND_PANELS:
+            engines_by_panel.setdefault(title, set()).update(
+                labels.get("engine", "") for labels, _ in _last(prometheus, expr.replace('engine=~".*"',
+                                                                                         'engine=~"vllm"')))
+    assert engines_by_panel == {title: {"vllm"} for title in EVERY_KIND_PANELS}, engines_by_panel
+
+    block_size = _last(prometheus, 'kvops_engine_kv_block_size_tokens{engine="vllm"}')
+    assert [(labels["kind"], value) for labels, value in block_size] == [("vllm", 128.0)], block_size
+    # kvops's own block-size diagnosis on the live vLLM, and the rule of alerts/kvops.rules.yml reading it:
+    # pending (its `for` is 5 min) for the vLLM, with the diagnosis's severity.
+    active = _last(prometheus, 'kvops_diagnosis_active{id="block_size_mismatch", engine="vllm", kind="vllm"}')
+    assert len(active) == 1 and active[0][1] > 0, active
+    severity = active[0][0]["severity"]
+    assert severity in ("warning", "critical"), active  # the info variant has no alert
+    alert = wait_for("KvopsBlockSizeMismatch pending for the vLLM", lambda: _last(
+        prometheus, 'ALERTS{alertname="KvopsBlockSizeMismatch", engine="vllm", kind="vllm"}'), 15, every_s=0.5)
+    assert [(labels["alertstate"], labels["severity"], labels["diagnosis"]) for labels, _ in alert] == [
+        ("pending", severity, "block_size_mismatch")], alert
+
+    # Prometheus's own scrape of the real vLLM: vLLM's `vllm:` series, under the supervisor's engine name
+    # (vLLM's own engine="0" label becomes exported_engine), and the same counter the supervisor reads.
+    config = _last(prometheus, 'vllm:cache_config_info{job="kvops-engine", engine="vllm"}')
+    assert len(config) == 1 and config[0][0]["block_size"] == "128", config
+
+    def same_prefix_queries() -> tuple[float, float] | None:
+        own = _last(prometheus, 'sum(vllm:prefix_cache_queries_total{job="kvops-engine", engine="vllm"})')
+        read = _last(prometheus, 'kvops_engine_prefix_cache_query_tokens_total{job="kvops-supervisor", '
+                                 'engine="vllm"}')
+        return (own[0][1], read[0][1]) if own and read and own[0][1] == read[0][1] > 0 else None
+
+    wait_for("vLLM's prefix-cache queries the same in both scrapes", same_prefix_queries, 15, every_s=0.5)
+
+    # Every rule of alerts/kvops.rules.yml loaded, evaluated, healthy, on the vLLM's series.
+    groups = httpx.get(f"{prometheus}/api/v1/rules", timeout=5).json()["data"]["groups"]
+    rules = [rule for group in groups for rule in group["rules"]]
+    assert sorted(r["name"] for r in rules) == sorted(name for name, _ in _rule_queries())
+    for rule in rules:
+        assert rule["health"] == "ok", (rule["name"], rule.get("lastError"))
+        assert not rule["lastEvaluation"].startswith("0001"), f"{rule['name']} never evaluated"
+    print(f"\nPrometheus on the live vLLM: block size {block_size[0][1]:g}, block_size_mismatch {severity} "
+          f"({active[0][1]:g}), KvopsBlockSizeMismatch {alert[0][0]['alertstate']}, {len(rules)} rules ok, "
+          f"{time.monotonic() - started:.0f} s")

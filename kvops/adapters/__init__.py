@@ -3,7 +3,8 @@ the one snapshot schema (`kvops.schema.snapshot`), so the rules, `kvops run`, `k
 work on them. What a server does not export stays neutral and is listed in `Snapshot.unknown`."""
 
 from kvops.adapters.client import WatchedEngineClient
-from kvops.adapters.detect import detect_flavour, model_card, snapshot_from_scrape
+from kvops.adapters.detect import METRIC_SOURCES, detect_flavour, missing_metric, model_card, snapshot_from_scrape
 from kvops.adapters.prometheus import Scrape, ScrapeError
 
-__all__ = ["Scrape", "ScrapeError", "WatchedEngineClient", "detect_flavour", "model_card", "snapshot_from_scrape"]
+__all__ = ["METRIC_SOURCES", "Scrape", "ScrapeError", "WatchedEngineClient", "detect_flavour", "missing_metric",
+           "model_card", "snapshot_from_scrape"]

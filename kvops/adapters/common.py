@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from kvops.adapters.names import Reader
 from kvops.adapters.prometheus import Scrape
-from kvops.schema.snapshot import Histogram, Snapshot, percentile_fields
+from kvops.schema.snapshot import Histogram, Snapshot, bucket_quantile, percentile_fields
 
 # Without a pool size in the scrape, block counts are expressed in per-mille of the pool: usage and its
 # trend stay exact, absolute block numbers are marked unknown.
@@ -46,28 +47,12 @@ def neutral(source: str, t: float, model: str) -> dict[str, Any]:
     }
 
 
-def quantile(bounds: list[float], counts: list[int], q: float) -> float | None:
-    """Prometheus's histogram_quantile: linear within the bucket holding the q-th observation; the
-    highest finite bound when it falls above every bound."""
-    total = sum(counts)
-    if total <= 0 or not bounds:
-        return None
-    rank = q * total
-    seen = 0
-    for index, count in enumerate(counts[:-1]):
-        if seen + count >= rank and count > 0:
-            lower = bounds[index - 1] if index > 0 else 0.0
-            return lower + (bounds[index] - lower) * (rank - seen) / count
-        seen += count
-    return bounds[-1]
-
-
 def histogram_json(parsed: tuple[list[float], list[int], float, int] | None) -> dict[str, Any]:
     if parsed is None:
         return {"buckets": [], "counts": [0], "sum": 0.0, "count": 0, **percentile_fields(lambda q: None)}
     bounds, counts, total, count = parsed
     return Histogram(buckets=bounds, counts=counts, sum=total, count=count,
-                     **percentile_fields(lambda q: quantile(bounds, counts, q / 100))).model_dump()
+                     **percentile_fields(lambda q: bucket_quantile(bounds, counts, q / 100))).model_dump()
 
 
 def fill_blocks(data: dict[str, Any], usage: float | None, num_blocks: int | None, block_size: int | None) -> None:
@@ -100,7 +85,9 @@ def neutral_for(source: str, scrape: Scrape, t: float, model_card: dict[str, Any
     """The neutral snapshot of a `source` server, named after its model: /v1/models' id, else the
     `model_name` label of `model_metric`."""
     card = model_card or {}
-    model = str(card.get("id") or scrape.label(model_metric, "model_name") or "unknown")
+    # `model_name` on vLLM and newer SGLang; early SGLang (0.3) labels its series `name`.
+    model = str(card.get("id") or scrape.label(model_metric, "model_name") or scrape.label(model_metric, "name")
+                or "unknown")
     data = neutral(source, t, model)
     data["engine"]["engine_version"] = source
     return data
@@ -115,22 +102,16 @@ def read_max_model_len(data: dict[str, Any], model_card: dict[str, Any] | None) 
         data["unknown"].append("engine.max_model_len")
 
 
-def read_prompt_lengths(data: dict[str, Any], scrape: Scrape, name: str) -> None:
-    """`prompt_lengths` from the prompt-token histogram `name`; unknown when the scrape lacks it."""
-    prompts = scrape.histogram(name)
-    data["prompt_lengths"] = histogram_json(prompts)
-    if prompts is None:
-        data["unknown"].append("prompt_lengths")
-
-
-def read_requests(data: dict[str, Any], scrape: Scrape, metrics: dict[str, str]) -> None:
-    """Fill `requests.<field>` from the metric named for it; a metric the scrape lacks is marked unknown."""
-    for key, name in metrics.items():
-        value = scrape.value(name)
-        if value is None:
-            data["unknown"].append(f"requests.{key}")
-        else:
-            data["requests"][key] = round(value)
+def read_histograms(read: Reader, fields: tuple[str, ...]) -> None:
+    """Histogram fields from the metrics the names table gives; `prompt_lengths` is required (neutral when
+    absent), the others are None when absent. Absent ones are marked unknown."""
+    for field in fields:
+        name = read.name(field)
+        parsed = read.scrape.histogram(name) if name else None
+        if parsed is None:
+            read.unknown(field)
+        if field == "prompt_lengths" or parsed is not None:
+            read.data[field] = histogram_json(parsed)
 
 
 def finish_from_process(data: dict[str, Any], scrape: Scrape, started_at: float | None) -> Snapshot:

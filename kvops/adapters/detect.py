@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kvops.adapters import sglang, vllm
 from kvops.adapters.kvops_metrics import snapshot_from_kvops_metrics
+from kvops.adapters.names import MetricSource
 from kvops.adapters.prometheus import Scrape
 from kvops.adapters.sglang import snapshot_from_sglang
 from kvops.adapters.vllm import snapshot_from_vllm
@@ -20,6 +22,18 @@ BUILDERS: dict[EngineKind, Builder] = {
     "vllm": snapshot_from_vllm,
     "sglang": snapshot_from_sglang,
 }
+
+# The names tables of the servers kvops reads through metrics (a kvops engine sends its snapshot whole).
+METRIC_SOURCES: dict[str, dict[str, MetricSource]] = {"vllm": vllm.METRICS, "sglang": sglang.METRICS}
+
+
+def missing_metric(kind: str, field: str) -> str:
+    """What would report `field` on this kind of server: its metric names and the version or flag that has
+    them; "" when kvops has no name for it there."""
+    source = METRIC_SOURCES.get(kind, {}).get(field)
+    if source is None:
+        return ""
+    return f"{' or '.join(source.names)}, from {source.provided_by}"
 
 
 def detect_flavour(scrape: Scrape | None, models: dict[str, Any] | None = None) -> EngineKind | None:

@@ -73,6 +73,12 @@ def snapshot_from_kvops_metrics(scrape: Scrape, t: float, model_card: dict[str, 
     data["prompt_lengths"] = histogram_json(prompts)
     if prompts is None:
         unknown.append("prompt_lengths")
+    for field, name in (("ttft", "kvops_time_to_first_token_seconds"), ("itl", "kvops_inter_token_latency_seconds")):
+        latency = scrape.histogram(name)  # one series per tenant: summed
+        if latency is None:
+            unknown.append(field)
+        else:
+            data[field] = histogram_json(latency)
 
     if scrape.has("kvops_swap_out_blocks_total"):
         data["swap"] = {

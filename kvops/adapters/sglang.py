@@ -1,10 +1,12 @@
-"""SGLang's `/metrics` (server started with `--enable-metrics`) as a kvops snapshot.
+"""SGLang's `/metrics` (a server started with `--enable-metrics`) as a kvops snapshot, across its two naming eras.
 
-Names from SGLang's production-metrics documentation: `sglang:token_usage`, `sglang:cache_hit_rate`,
-`sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:num_used_tokens`, `sglang:prompt_tokens_total`,
-`sglang:generation_tokens_total`, `sglang:num_requests_total`; newer versions add
-`sglang:cached_tokens_total`, `sglang:max_total_num_tokens` and a `sglang:prompt_tokens_histogram`.
-SGLang's radix cache is token-granular, so the pool is counted in tokens (block_size 1).
+SGLang 0.3 labels its series `name=` and counts requests as `sglang:num_requests_running` /
+`sglang:num_requests_waiting` (plus `sglang:queue_req`), with `sglang:cache_hit_rate` in percent. From 0.4 the
+label is `model_name=`, the gauges are `sglang:num_running_reqs` / `sglang:num_queue_reqs`, the hit rate is a
+fraction, and counters arrive: `sglang:num_requests_total`, `sglang:num_aborted_requests_total`,
+`sglang:cached_tokens_total`. Data-parallel and disaggregated servers label per-rank gauges `dp_rank` /
+`tp_rank` / `pp_rank` and `engine_type` (unified, prefill, decode). The radix cache is token-granular, so the
+pool is counted in tokens (block_size 1).
 """
 
 from __future__ import annotations
@@ -12,50 +14,109 @@ from __future__ import annotations
 from typing import Any
 
 from kvops.adapters import common
+from kvops.adapters.names import MetricSource, Reader, ranks, table
 from kvops.adapters.prometheus import Scrape
 from kvops.schema.snapshot import Snapshot
+
+NEWER = "SGLang 0.4 and later"
+METRICS = table(
+    MetricSource("blocks.usage", ("sglang:token_usage",), "every SGLang version with --enable-metrics"),
+    MetricSource("engine.num_blocks", ("sglang:max_total_num_tokens",), "SGLang 0.3 (dropped from later versions)"),
+    MetricSource("requests.running", ("sglang:num_running_reqs", "sglang:num_requests_running"),
+                 "every SGLang version with --enable-metrics"),
+    MetricSource("requests.waiting", ("sglang:num_queue_reqs", "sglang:num_requests_waiting"),
+                 "every SGLang version with --enable-metrics"),
+    MetricSource("requests.finished_total", ("sglang:num_requests_total",), NEWER),
+    MetricSource("requests.aborted_total", ("sglang:num_aborted_requests_total",), "SGLang 0.4.7 and later"),
+    MetricSource("requests.transfer_failed_total", ("sglang:num_transfer_failed_reqs_total",),
+                 "a disaggregated (prefill/decode) SGLang 0.4.7 and later"),
+    MetricSource("requests.prompt_tokens_total", ("sglang:prompt_tokens_total",), "every SGLang version"),
+    MetricSource("requests.generation_tokens_total", ("sglang:generation_tokens_total",), "every SGLang version"),
+    MetricSource("prefix_cache.hits_total", ("sglang:cached_tokens_total",), "SGLang 0.4.5 and later"),
+    MetricSource("prefix_cache.hit_rate", ("sglang:cache_hit_rate",),
+                 "every SGLang version (a recent rate; percent before 0.4)"),
+    MetricSource("prompt_lengths", ("sglang:prompt_tokens_histogram", "sglang:request_prompt_tokens"),
+                 "SGLang 0.3, or later versions with --collect-tokens-histogram"),
+    MetricSource("generation_lengths", ("sglang:generation_tokens_histogram", "sglang:request_generation_tokens"),
+                 "SGLang 0.3, or later versions with --collect-tokens-histogram"),
+    MetricSource("ttft", ("sglang:time_to_first_token_seconds",), "every SGLang version"),
+    MetricSource("itl", ("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
+                 "every SGLang version (inter_token_latency from 0.4.7)"),
+)
+# Names only the 0.3 era has: its hit rate is in percent.
+FIRST_ERA = ("sglang:num_requests_running", "sglang:queue_req", "sglang:new_seq")
 
 
 def snapshot_from_sglang(scrape: Scrape, t: float, model_card: dict[str, Any] | None = None,
                          started_at: float | None = None) -> Snapshot:
     data = common.neutral_for("sglang", scrape, t, model_card, "sglang:token_usage")
-    unknown: list[str] = data["unknown"]
-    prefix = data["prefix_cache"]
-
-    pool_tokens = scrape.value("sglang:max_total_num_tokens")
-    usage = scrape.mean("sglang:token_usage")
-    if usage is None and pool_tokens:
-        used = scrape.value("sglang:num_used_tokens")
-        usage = None if used is None else used / pool_tokens
+    read = Reader(scrape, data, METRICS)
+    usage_name = read.name("blocks.usage")
+    usage = scrape.mean(usage_name) if usage_name else None
+    pool_tokens = read.value("engine.num_blocks")
+    used_tokens = scrape.value("sglang:num_used_tokens")
+    if usage is None and pool_tokens and used_tokens is not None:
+        usage = used_tokens / pool_tokens
+        read.note("blocks.usage", "sglang:num_used_tokens", "sglang:max_total_num_tokens")
+    if usage is not None:
+        usage = read.fraction("blocks.usage", usage_name or "sglang:num_used_tokens", usage)
     common.fill_blocks(data, usage, round(pool_tokens) if pool_tokens else None, 1)
     common.read_max_model_len(data, model_card)
-    unknown.extend(["engine.max_num_seqs", "engine.max_num_batched_tokens", "engine.bytes_per_token",
-                    "engine.kv_cache_bytes", "engine.dtype", "engine.device", "engine.kv_cache_dtype",
-                    "engine.enable_prefix_caching"])
+    for field in ("engine.max_num_seqs", "engine.max_num_batched_tokens", "engine.bytes_per_token",
+                  "engine.kv_cache_bytes", "engine.dtype", "engine.device", "engine.kv_cache_dtype",
+                  "engine.enable_prefix_caching", "requests.preemptions_total", "swap"):
+        read.unknown(field)  # preemptions: SGLang retracts requests without a counter in these versions
 
-    common.read_requests(data, scrape, {"running": "sglang:num_running_reqs", "waiting": "sglang:num_queue_reqs",
-                                        "finished_total": "sglang:num_requests_total",
-                                        "aborted_total": "sglang:num_aborted_requests_total",
-                                        "prompt_tokens_total": "sglang:prompt_tokens_total",
-                                        "generation_tokens_total": "sglang:generation_tokens_total"})
-    unknown.append("requests.preemptions_total")  # SGLang retracts requests; no counter in its documented set
+    requests = data["requests"]
+    for field in ("requests.running", "requests.waiting", "requests.finished_total", "requests.aborted_total",
+                  "requests.prompt_tokens_total", "requests.generation_tokens_total"):
+        value = read.value(field)
+        if value is not None:
+            requests[field.split(".")[1]] = round(value)
 
-    cached = scrape.value("sglang:cached_tokens_total")
+    if "requests.aborted_total" not in data["unknown"] and "requests.finished_total" not in data["unknown"]:
+        # SGLang's num_requests_total counts every request that ended, aborted ones too (its 0.4.9 scrape: 157
+        # aborted of 217); the snapshot counts them apart.
+        requests["finished_total"] = max(0, requests["finished_total"] - requests["aborted_total"])
+    failed_name = read.name("requests.transfer_failed_total")
+    if failed_name is not None:  # a decode node's KV transfers that failed: requests that got no answer
+        requests["aborted_total"] += round(scrape.value(failed_name) or 0)
+        if "requests.aborted_total" in data["unknown"]:
+            data["unknown"].remove("requests.aborted_total")
+        read.note("requests.aborted_total", failed_name)
+    _prefix_cache(read)
+    common.read_histograms(read, ("prompt_lengths", "generation_lengths", "ttft", "itl"))
+    data["ranks"] = [r.model_dump() for r in ranks(scrape, usage_name, read.name("requests.running"),
+                                                  read.name("requests.waiting"))]
+    return common.finish_from_process(data, scrape, started_at)
+
+
+def _prefix_cache(read: Reader) -> None:
+    scrape, prefix = read.scrape, read.data["prefix_cache"]
+    cached = read.value("prefix_cache.hits_total")
     prompt_tokens = scrape.value("sglang:prompt_tokens_total")
     if cached is not None and prompt_tokens is not None:
-        # Both are counted per finished request: its whole prompt, and the part served from the radix cache.
+        # Both count per request: its whole prompt, and the part the radix cache served.
+        read.note("prefix_cache.queries_total", "sglang:prompt_tokens_total")
+        if cached > prompt_tokens:
+            read.problem(f"sglang:cached_tokens_total = {cached:g} is more than sglang:prompt_tokens_total = "
+                         f"{prompt_tokens:g}: more cached tokens than prompt tokens")
         prefix.update(queries_total=round(prompt_tokens), hits_total=round(cached),
-                      hit_rate=common.ratio(cached, prompt_tokens))
+                      hit_rate=common.ratio(min(cached, prompt_tokens), prompt_tokens))
+        read.unknown("prefix_cache.window_hit_rate")
     else:
-        unknown.extend(["prefix_cache.queries_total", "prefix_cache.hits_total"])
-        rate = scrape.mean("sglang:cache_hit_rate")  # a recent rate, without the counters behind it
+        read.unknown("prefix_cache.queries_total")
+        read.unknown("prefix_cache.hits_total")
+        rate_name = read.name("prefix_cache.hit_rate")
+        rate = scrape.mean(rate_name) if rate_name else None  # a recent rate, without the counters behind it
         if rate is None:
-            unknown.append("prefix_cache.hit_rate")
+            read.unknown("prefix_cache.hit_rate")
+            read.unknown("prefix_cache.window_hit_rate")
         else:
-            prefix["hit_rate"] = prefix["window_hit_rate"] = rate
-    unknown.extend(["prefix_cache.evictions_total", "prefix_cache.normalization", "prefix_cache.shadow_hit_rate",
-                    "prefix_cache.potential_hit_rate"])
-
-    common.read_prompt_lengths(data, scrape, "sglang:prompt_tokens_histogram")
-    unknown.append("swap")
-    return common.finish_from_process(data, scrape, started_at)
+            if any(scrape.has(name) for name in FIRST_ERA):
+                rate /= 100  # SGLang 0.3 reports percent
+            prefix["hit_rate"] = prefix["window_hit_rate"] = read.fraction("prefix_cache.hit_rate",
+                                                                           rate_name or "", rate)
+    for field in ("prefix_cache.evictions_total", "prefix_cache.normalization", "prefix_cache.shadow_hit_rate",
+                  "prefix_cache.potential_hit_rate"):
+        read.unknown(field)

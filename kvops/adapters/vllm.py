@@ -1,15 +1,17 @@
-"""vLLM's `/metrics` as a kvops snapshot.
+"""vLLM's `/metrics` as a kvops snapshot, across its versions.
 
-Names from vLLM's production-metrics documentation: the V1 engine's (`vllm:kv_cache_usage_perc`,
-`vllm:prefix_cache_queries_total` / `_hits_total`, ...) and the V0 engine's older ones
-(`vllm:gpu_cache_usage_perc`, `vllm:num_requests_swapped`, `vllm:gpu_prefix_cache_hit_rate`), whichever
-the scrape has. `vllm:cache_config_info` (labels `block_size`, `num_gpu_blocks`, `cache_dtype`,
-`enable_prefix_caching`, `kv_cache_memory_bytes`) gives the pool when present; `/v1/models` gives
-`max_model_len`. `kv_cache_memory_bytes` is the KV budget (`--kv-cache-memory-bytes`, or
-`VLLM_CPU_KVCACHE_SPACE` on CPU; "None" when a GPU server sizes it from `--gpu-memory-utilization`); the
-bytes per token are that budget over the pool's tokens (num_gpu_blocks x block_size), an upper bound by the
-budget's unused remainder (under 0.1% on a large pool, ~3% on a 64 MiB one). The scrape does not say
-whether vLLM runs on a CPU or a GPU: `engine.device` stays unknown.
+The names changed twice. The V0 engine (to 0.10) has `vllm:gpu_cache_usage_perc` and a prefix-cache hit
+*rate*, `vllm:gpu_prefix_cache_hit_rate`, which is -1 when prefix caching is off. The V1 engine (0.8 on)
+counts prefix-cache lookups in tokens, first as `vllm:gpu_prefix_cache_queries_total` / `_hits_total`, from
+0.10 as `vllm:prefix_cache_queries_total` / `_hits_total` (the `gpu_` names stay a while as deprecated
+aliases), and renames usage to `vllm:kv_cache_usage_perc`. V1 labels every series with `engine` (one per
+data-parallel engine core) and counts aborted requests in `vllm:request_success_total{finished_reason="abort"}`.
+
+`vllm:cache_config_info` (labels `block_size`, `num_gpu_blocks`, `cache_dtype`, `enable_prefix_caching`,
+`kv_cache_memory_bytes`) gives the pool; `/v1/models` gives `max_model_len`. `kv_cache_memory_bytes` is the
+KV budget (`--kv-cache-memory-bytes`, or `VLLM_CPU_KVCACHE_SPACE` on CPU; "None" when a GPU server sizes it
+from `--gpu-memory-utilization`); bytes per token are that budget over the pool's tokens, an upper bound by
+the budget's unused remainder. The scrape does not say whether vLLM runs on a CPU or a GPU.
 """
 
 from __future__ import annotations
@@ -17,8 +19,42 @@ from __future__ import annotations
 from typing import Any
 
 from kvops.adapters import common
+from kvops.adapters.names import MetricSource, Reader, ranks, table
 from kvops.adapters.prometheus import Scrape
 from kvops.schema.snapshot import Snapshot
+
+V1 = "the V1 engine (vLLM 0.8 and later)"
+METRICS = table(
+    MetricSource("blocks.usage", ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"), "every vLLM version"),
+    MetricSource("engine.num_blocks", ("vllm:cache_config_info",), "vLLM 0.4 and later"),
+    MetricSource("prefix_cache.queries_total", ("vllm:prefix_cache_queries_total",
+                                                "vllm:gpu_prefix_cache_queries_total"),
+                 f"{V1}, with prefix caching on"),
+    MetricSource("prefix_cache.hits_total", ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+                 f"{V1}, with prefix caching on"),
+    MetricSource("prefix_cache.hit_rate", ("vllm:gpu_prefix_cache_hit_rate",),
+                 "the V0 engine with --enable-prefix-caching (V1: the queries/hits counters)"),
+    MetricSource("requests.running", ("vllm:num_requests_running",), "every vLLM version"),
+    MetricSource("requests.waiting", ("vllm:num_requests_waiting",), "every vLLM version"),
+    MetricSource("requests.finished_total", ("vllm:request_success_total",), "vLLM 0.4 and later"),
+    MetricSource("requests.aborted_total", ("vllm:request_success_total",),
+                 f'{V1}: vllm:request_success_total{{finished_reason="abort"}} (and "error")'),
+    MetricSource("requests.preemptions_total", ("vllm:num_preemptions_total",), "vLLM 0.4 and later"),
+    MetricSource("requests.prompt_tokens_total", ("vllm:prompt_tokens_total",), "every vLLM version"),
+    MetricSource("requests.generation_tokens_total", ("vllm:generation_tokens_total",), "every vLLM version"),
+    MetricSource("prompt_lengths", ("vllm:request_prompt_tokens",), "vLLM 0.4 and later"),
+    MetricSource("generation_lengths", ("vllm:request_generation_tokens",), "vLLM 0.4 and later"),
+    MetricSource("ttft", ("vllm:time_to_first_token_seconds",), "every vLLM version"),
+    MetricSource("itl", ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+                 "every vLLM version (inter_token_latency from 0.11)"),
+    MetricSource("swap", ("vllm:num_requests_swapped",), "the V0 engine only (V1 recomputes, it never swaps)"),
+)
+CONFIG = "vllm:cache_config_info"
+UNFINISHED = ("abort", "error")  # finish reasons of requests that did not get their answer
+
+
+def first_present(scrape: Scrape, field: str) -> str | None:
+    return next((name for name in METRICS[field].names if scrape.has(name)), None)
 
 
 def _int_label(scrape: Scrape, name: str, label: str) -> int | None:
@@ -32,62 +68,113 @@ def _int_label(scrape: Scrape, name: str, label: str) -> int | None:
 def snapshot_from_vllm(scrape: Scrape, t: float, model_card: dict[str, Any] | None = None,
                        started_at: float | None = None) -> Snapshot:
     data = common.neutral_for("vllm", scrape, t, model_card, "vllm:num_requests_running")
-    unknown: list[str] = data["unknown"]
-    engine, prefix = data["engine"], data["prefix_cache"]
+    read = Reader(scrape, data, METRICS)
+    _pool(read, model_card)
+    _requests(read)
+    _prefix_cache(read)
+    common.read_histograms(read, ("prompt_lengths", "generation_lengths", "ttft", "itl"))
+    read.unknown("engine.max_num_seqs")
+    read.unknown("engine.max_num_batched_tokens")
+    read.unknown("engine.dtype")
+    read.unknown("engine.device")
+    swapped = read.value("swap")
+    if swapped is not None:
+        data["swap"] = {"preemption_mode": "swap", "swapped_seqs": round(swapped)}
+        for field in ("swap.window", "swap.swap_out_total", "swap.swap_in_total"):
+            read.unknown(field)
+    data["ranks"] = [r.model_dump() for r in ranks(scrape, read.name("blocks.usage"), "vllm:num_requests_running",
+                                                  "vllm:num_requests_waiting")]
+    return common.finish_from_process(data, scrape, started_at)
 
-    config = "vllm:cache_config_info"
-    if scrape.has(config):
-        engine["kv_cache_dtype"] = scrape.label(config, "cache_dtype") or "unknown"
-        caching = scrape.label(config, "enable_prefix_caching")
+
+def _pool(read: Reader, model_card: dict[str, Any] | None) -> None:
+    scrape, data = read.scrape, read.data
+    engine = data["engine"]
+    if scrape.has(CONFIG):
+        read.note("engine.block_size", CONFIG)
+        engine["kv_cache_dtype"] = scrape.label(CONFIG, "cache_dtype") or "unknown"
+        caching = scrape.label(CONFIG, "enable_prefix_caching")
         if caching is not None:
             engine["enable_prefix_caching"] = caching.lower() == "true"
+            read.note("engine.enable_prefix_caching", CONFIG)
         else:
-            unknown.append("engine.enable_prefix_caching")
+            read.unknown("engine.enable_prefix_caching")
     else:
-        unknown.extend(["engine.kv_cache_dtype", "engine.enable_prefix_caching"])
-    block_size = _int_label(scrape, config, "block_size")
-    usage = scrape.first("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-    common.fill_blocks(data, None if usage is None else scrape.mean(usage[0]),
-                _int_label(scrape, config, "num_gpu_blocks"), block_size)
+        read.unknown("engine.kv_cache_dtype")
+        read.unknown("engine.enable_prefix_caching")
+    block_size = _int_label(scrape, CONFIG, "block_size")
+    usage_name = read.name("blocks.usage")
+    usage = None if usage_name is None else scrape.mean(usage_name)
+    if usage is not None:
+        usage = read.fraction("blocks.usage", usage_name or "", usage)
+    common.fill_blocks(data, usage, _int_label(scrape, CONFIG, "num_gpu_blocks"), block_size)
     common.read_max_model_len(data, model_card)
-    budget = _int_label(scrape, config, "kv_cache_memory_bytes")
-    pool_tokens = engine["num_blocks"] * engine["block_size"] if "engine.num_blocks" not in unknown else 0
+    budget = _int_label(scrape, CONFIG, "kv_cache_memory_bytes")
+    pool_tokens = engine["num_blocks"] * engine["block_size"] if "engine.num_blocks" not in data["unknown"] else 0
     if budget and pool_tokens and block_size:
         engine["kv_cache_bytes"] = budget
         engine["bytes_per_token"] = budget // pool_tokens
     else:
-        unknown.extend(["engine.bytes_per_token", "engine.kv_cache_bytes"])
-    unknown.extend(["engine.max_num_seqs", "engine.max_num_batched_tokens", "engine.dtype", "engine.device"])
+        read.unknown("engine.bytes_per_token")
+        read.unknown("engine.kv_cache_bytes")
 
-    common.read_requests(data, scrape, {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
-                                        "finished_total": "vllm:request_success_total",
-                                        "preemptions_total": "vllm:num_preemptions_total",
-                                        "prompt_tokens_total": "vllm:prompt_tokens_total",
-                                        "generation_tokens_total": "vllm:generation_tokens_total"})
-    unknown.append("requests.aborted_total")
 
-    queries, hits = scrape.value("vllm:prefix_cache_queries_total"), scrape.value("vllm:prefix_cache_hits_total")
+def _requests(read: Reader) -> None:
+    requests = read.data["requests"]
+    for field in ("requests.running", "requests.waiting", "requests.preemptions_total",
+                  "requests.prompt_tokens_total", "requests.generation_tokens_total"):
+        value = read.value(field)
+        if value is not None:
+            requests[field.split(".")[1]] = round(value)
+    # Finished requests by reason: V1 counts aborts (and errors) there, a series at 0 until one happens; V0 has
+    # neither. Aborted or failed requests are counted apart from the ones that finished.
+    name = read.name("requests.finished_total")
+    by_reason = read.scrape.by_label(name, "finished_reason") if name else {}
+    if name is None:
+        read.unknown("requests.finished_total")
+    else:
+        requests["finished_total"] = round(sum(v for reason, v in by_reason.items() if reason not in UNFINISHED)
+                                           if by_reason else read.scrape.value(name) or 0)
+    if "abort" in by_reason:
+        read.note("requests.aborted_total", *(f'{name}{{finished_reason="{r}"}}' for r in UNFINISHED if r in by_reason))
+        requests["aborted_total"] = round(sum(by_reason.get(reason, 0.0) for reason in UNFINISHED))
+    else:
+        read.unknown("requests.aborted_total")
+
+
+def _prefix_cache(read: Reader) -> None:
+    scrape, data = read.scrape, read.data
+    prefix = data["prefix_cache"]
+    # Queries and hits of one generation of names; else one of each, which count the same thing (0.10 exports
+    # both generations, and a cut scrape may hold half of each pair).
+    pairs = zip(METRICS["prefix_cache.queries_total"].names, METRICS["prefix_cache.hits_total"].names, strict=True)
+    queries_name, hits_name = next(((q, h) for q, h in pairs if scrape.has(q) and scrape.has(h)),
+                                   (first_present(scrape, "prefix_cache.queries_total"),
+                                    first_present(scrape, "prefix_cache.hits_total")))
+    queries = scrape.value(queries_name) if queries_name else None
+    hits = scrape.value(hits_name) if hits_name else None
     if queries is not None and hits is not None:
-        prefix.update(queries_total=round(queries), hits_total=round(hits), hit_rate=common.ratio(hits, queries))
+        read.note("prefix_cache.queries_total", queries_name or "")
+        read.note("prefix_cache.hits_total", hits_name or "")
+        if hits > queries:
+            read.problem(f"{hits_name} = {hits:g} is more than {queries_name} = {queries:g}: more hits than lookups")
+        prefix.update(queries_total=round(queries), hits_total=round(hits), hit_rate=common.ratio(min(hits, queries),
+                                                                                               queries))
     else:
-        unknown.extend(["prefix_cache.queries_total", "prefix_cache.hits_total"])
-        v0_rate = scrape.mean("vllm:gpu_prefix_cache_hit_rate")  # V0: a rate without the counters behind it
-        if v0_rate is None or v0_rate < 0:  # -1: prefix caching disabled
-            unknown.append("prefix_cache.hit_rate")
+        read.unknown("prefix_cache.queries_total")
+        read.unknown("prefix_cache.hits_total")
+        v0_name = read.name("prefix_cache.hit_rate")
+        v0_rate = scrape.mean(v0_name) if v0_name else None  # V0: a rate without the counters behind it
+        if v0_rate is None:
+            read.unknown("prefix_cache.hit_rate")
+        elif v0_rate < 0:  # -1: prefix caching disabled, which the V0 engine says no other way
+            read.unknown("prefix_cache.hit_rate")
+            if "engine.enable_prefix_caching" in data["unknown"]:
+                data["unknown"].remove("engine.enable_prefix_caching")
+            data["engine"]["enable_prefix_caching"] = False
+            read.note("engine.enable_prefix_caching", v0_name or "")
         else:
-            prefix["hit_rate"] = v0_rate
-    unknown.extend(["prefix_cache.window_hit_rate", "prefix_cache.evictions_total", "prefix_cache.normalization",
-                    "prefix_cache.shadow_hit_rate", "prefix_cache.potential_hit_rate"])
-
-    common.read_prompt_lengths(data, scrape, "vllm:request_prompt_tokens")
-    generations = scrape.histogram("vllm:request_generation_tokens")
-    if generations is not None:
-        data["generation_lengths"] = common.histogram_json(generations)
-
-    swapped = scrape.value("vllm:num_requests_swapped")  # V0 only: V1 recomputes, it never swaps
-    if swapped is None:
-        unknown.append("swap")
-    else:
-        data["swap"] = {"preemption_mode": "swap", "swapped_seqs": round(swapped)}
-        unknown.extend(["swap.window", "swap.swap_out_total", "swap.swap_in_total"])
-    return common.finish_from_process(data, scrape, started_at)
+            prefix["hit_rate"] = read.fraction("prefix_cache.hit_rate", v0_name or "", v0_rate)
+    for field in ("prefix_cache.window_hit_rate", "prefix_cache.evictions_total", "prefix_cache.normalization",
+                  "prefix_cache.shadow_hit_rate", "prefix_cache.potential_hit_rate"):
+        read.unknown(field)

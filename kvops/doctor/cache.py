@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from kvops.adapters import missing_metric
 from kvops.doctor.configuration import PREFIX_CACHING_ON
 from kvops.doctor.report import Check, Status
 from kvops.rules import RULES, evaluate_all, kv_oom_runtime, prompt_variance
@@ -22,10 +23,11 @@ from kvops.rules.common import capacity_fix, reclaimable_blocks
 from kvops.schema.diagnosis import Diagnosis, Severity
 from kvops.schema.kinds import EXTERNAL_KINDS
 from kvops.schema.reports import KVQuantProfile
-from kvops.schema.snapshot import Snapshot, TenantStats
-from kvops.supervisor.history import EngineHistory
+from kvops.schema.snapshot import Snapshot
+from kvops.supervisor.history import EngineHistory, at_start
 
 SECTION = "Cache health"
+TRAFFIC_RULES = ("queueing", "aborted_requests", "latency_slo")  # shown by kvops.doctor.traffic
 ENGINE = "doctor"
 
 # The long-prompt flood has no rule (the supervisor sees it through tenant pollution and OOM risk): doctor's
@@ -83,29 +85,6 @@ EXTERNAL_REMEDIES: dict[str, dict[str, Remedy]] = {
 }
 
 
-def _baseline(first: Snapshot) -> Snapshot:
-    """The engine at its start: every cumulative counter zero, gauges as first seen."""
-    data = first.model_dump()
-    data["time"] = first.time - first.uptime_s
-    data["uptime_s"] = 0.0
-    prefix = data["prefix_cache"]
-    for key in ("queries_total", "hits_total", "evictions_total", "shadow_queries_total", "shadow_hits_total",
-                "potential_queries_total", "potential_hits_total"):
-        prefix[key] = 0
-    for key in ("finished_total", "aborted_total", "preemptions_total", "prompt_tokens_total",
-                "generation_tokens_total"):
-        data["requests"][key] = 0
-    for key in ("swap_out_total", "swap_in_total", "swap_in_reused_total", "swap_preemptions_total",
-                "swap_fallbacks_total"):
-        data["swap"][key] = 0
-    data["tenants"] = {
-        name: TenantStats(blocks_held=t["blocks_held"], quota_blocks=t["quota_blocks"],
-                          cache_salt=t["cache_salt"]).model_dump()
-        for name, t in data["tenants"].items()}
-    data["steps"] = []
-    return Snapshot.model_validate(data)
-
-
 def _settings(span: float) -> dict[str, BaseModel]:
     """Each rule's defaults with its window stretched over the run (and the fewest samples it allows)."""
     out: dict[str, BaseModel] = {}
@@ -123,16 +102,20 @@ def _settings(span: float) -> dict[str, BaseModel]:
     return out
 
 
-def evaluate(snaps: list[Snapshot],
-             kv_profile: KVQuantProfile | None = None) -> tuple[list[Diagnosis], EngineHistory]:
+def evaluate(snaps: list[Snapshot], kv_profile: KVQuantProfile | None = None,
+             overrides: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[list[Diagnosis], EngineHistory]:
+    """The rules over doctor's snapshots; `overrides` sets rule settings by rule id (an SLO, say)."""
     latest = snaps[-1]
     history = EngineHistory(ENGINE, managed=False, full_rate_s=1e12, max_age_s=1e12)
-    baseline = _baseline(snaps[0])
+    baseline = at_start(snaps[0])
     for snap in (baseline, *snaps):
         history.add(snap)
     history.kv_profile = kv_profile
     span = max(1.0, latest.time - baseline.time + 1.0)
-    return evaluate_all(history, _settings(span), latest.time), history
+    settings = _settings(span)
+    for rule_id, values in (overrides or {}).items():
+        settings[rule_id] = settings[rule_id].model_copy(update=dict(values))
+    return evaluate_all(history, settings, latest.time), history
 
 
 def remedy(diagnosis: Diagnosis, snap: Snapshot) -> str:
@@ -167,22 +150,24 @@ def _pick(diagnoses: list[Diagnosis], *rules: str) -> list[Diagnosis]:
 
 
 def cache_checks(snaps: list[Snapshot], kv_profile: KVQuantProfile | None = None,
-                 kv_profile_why_not: str = "") -> list[Check]:
+                 kv_profile_why_not: str = "", diagnoses: list[Diagnosis] | None = None) -> list[Check]:
     latest = snaps[-1]
-    diagnoses, _ = evaluate(snaps, kv_profile)
+    if diagnoses is None:
+        diagnoses, _ = evaluate(snaps, kv_profile)
     source = latest.source
     checks = [
         _usage(latest, snaps, _pick(diagnoses, kv_oom_runtime.RULE_ID), source),
         _preemptions(latest, _pick(diagnoses, kv_oom_runtime.RULE_ID), source),
-        *_hit_rate(latest, _pick(diagnoses, "prompt_variance", "prefix_caching_off"), source,
+        *_hit_rate(latest, _pick(diagnoses, "prompt_variance", "prefix_caching_off", "no_prefix_hits"), source,
                    any(d.evidence.get("prefix_blocked") for d in _pick(diagnoses, "block_size_mismatch"))),
         _swap(latest, _pick(diagnoses, "swap_storm"), source),
         _prompt_lengths(latest),
         *_tenants(latest, _pick(diagnoses, "tenant_pollution"), source),
         _kv_quant(latest, _pick(diagnoses, "kv_quant_error"), kv_profile, kv_profile_why_not, source),
     ]
-    shown = {"kv_oom_runtime", "prompt_variance", "prefix_caching_off", "swap_storm", "tenant_pollution",
-             "kv_quant_error", "kv_oom_start"}  # kv_oom_start: Configuration's maximum concurrency line
+    shown = {"kv_oom_runtime", "prompt_variance", "prefix_caching_off", "no_prefix_hits", "swap_storm",
+             "tenant_pollution", "kv_quant_error", "kv_oom_start",  # kv_oom_start: Configuration's concurrency line
+             *TRAFFIC_RULES}  # the Traffic section's lines
     for diagnosis in diagnoses:
         if diagnosis.rule not in shown:
             capacity = diagnosis.subject == CAPACITY_SUBJECT
@@ -191,13 +176,17 @@ def cache_checks(snaps: list[Snapshot], kv_profile: KVQuantProfile | None = None
     return checks
 
 
-def _unknown(title: str, snap: Snapshot, what: str) -> Check:
-    return Check(section=SECTION, title=title, status=Status.SKIPPED, evidence=f"{snap.source} does not report {what}")
+def _unknown(title: str, snap: Snapshot, what: str, field: str = "") -> Check:
+    """A line that could not be checked: what the server lacks, and the metric (with the version or flag that
+    provides it) that would make it checkable."""
+    needs = missing_metric(snap.source, field) if field else ""
+    return Check(section=SECTION, title=title, status=Status.SKIPPED, evidence=f"{snap.source} does not report {what}",
+                 remedy=f"needs {needs}" if needs else "")
 
 
 def _usage(latest: Snapshot, snaps: list[Snapshot], found: list[Diagnosis], source: str) -> Check:
     if not latest.knows("blocks"):
-        return _unknown("KV cache usage", latest, "KV cache usage")
+        return _unknown("KV cache usage", latest, "KV cache usage", "blocks.usage")
     usage = latest.blocks.usage
     reclaimable = reclaimable_blocks(latest) / latest.engine.num_blocks if latest.engine.num_blocks else 0.0
     trend = ""
@@ -229,7 +218,8 @@ def _capacity_remedy(latest: Snapshot) -> str:
 
 def _preemptions(latest: Snapshot, found: list[Diagnosis], source: str) -> Check:
     if not latest.knows("requests.preemptions_total"):
-        return _unknown("Preemptions", latest, "preemptions (SGLang retracts requests without a counter)")
+        why = " (SGLang retracts requests without a counter)" if source == "sglang" else ""
+        return _unknown("Preemptions", latest, f"preemptions{why}", "requests.preemptions_total")
     total = latest.requests.preemptions_total
     per_s = total / latest.uptime_s if latest.uptime_s > 0 else 0.0
     since = "since start" if latest.knows("uptime_s") else "over the scrape's assumed hour (no process start time)"
@@ -261,7 +251,7 @@ def _hit_rate(latest: Snapshot, found: list[Diagnosis], source: str, blocked: bo
         return checks
     if not latest.knows("prefix_cache.queries_total"):
         if not latest.knows("prefix_cache.hit_rate"):
-            return [_unknown(title, latest, "prefix-cache hits")]
+            return [_unknown(title, latest, "prefix-cache hits", "prefix_cache.queries_total")]
         low = prompt_variance.Settings().shadow_probe_max_hit_rate
         status = Status.INFO if prefix.hit_rate <= low else Status.OK
         return [Check(section=SECTION, title=title, status=status,
@@ -292,8 +282,9 @@ def _swap(latest: Snapshot, found: list[Diagnosis], source: str) -> Check:
     if found:
         return _from_diagnosis("Swap", found[0], latest)
     if not latest.knows("swap"):
-        why = "swap (V1 recomputes preempted requests instead)" if source == "vllm" else "swap"
-        return _unknown("Swap", latest, why)
+        if source == "vllm":  # V1 has nothing to swap: no metric to ask for
+            return _unknown("Swap", latest, "swap (V1 recomputes preempted requests instead)")
+        return _unknown("Swap", latest, "swap", "swap")
     swap = latest.swap
     if swap.host_blocks == 0 and swap.swapped_seqs == 0 and latest.knows("swap.swap_out_total"):
         return Check(section=SECTION, title="Swap", status=Status.OK,
@@ -312,7 +303,7 @@ def _prompt_lengths(latest: Snapshot) -> Check:
     title = "Prompt lengths"
     hist = latest.prompt_lengths
     if not latest.knows("prompt_lengths"):
-        return _unknown(title, latest, "a prompt-length histogram")
+        return _unknown(title, latest, "a prompt-length histogram", "prompt_lengths")
     if hist.count == 0 or hist.p50 is None or hist.p99 is None:
         return Check(section=SECTION, title=title, status=Status.SKIPPED, evidence="no finished request yet")
     evidence = f"p50 {hist.p50:.0f}, p95 {hist.p95:.0f}, p99 {hist.p99:.0f} tokens over {hist.count} requests"

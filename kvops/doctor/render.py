@@ -25,6 +25,8 @@ def render_text(report: Report, verbose: bool = False) -> str:
                 lines.append(f"      → {check.remedy}")
             if verbose:
                 lines.extend(f"      • {line}" for line in check.detail)
+                if check.metrics:
+                    lines.append(f"      • read: {', '.join(check.metrics)}")
     lines.append("")
     if report.could_not_check:
         lines.append(f"✗ Could not check: {report.could_not_check}")

@@ -6,7 +6,7 @@ import enum
 
 from pydantic import BaseModel, Field
 
-SECTIONS = ("Environment", "Configuration", "Liveness", "Cache health")
+SECTIONS = ("Environment", "Configuration", "Liveness", "Metrics data", "Cache health", "Traffic")
 
 
 class Status(enum.StrEnum):
@@ -28,6 +28,7 @@ class Check(BaseModel):
     remedy: str = ""  # what to change: the flag and the value
     detail: list[str] = Field(default_factory=list)  # shown with -v
     rule: str | None = None  # the rule whose diagnosis this line reports, if any
+    metrics: list[str] = Field(default_factory=list)  # the server's metrics this line read (shown with -v)
 
 
 class Report(BaseModel):

@@ -14,10 +14,13 @@ import httpx
 
 from kvops.adapters import Scrape, ScrapeError, WatchedEngineClient, detect_flavour, snapshot_from_scrape
 from kvops.doctor import configuration, environment
-from kvops.doctor.cache import cache_checks
+from kvops.doctor.cache import cache_checks, evaluate
+from kvops.doctor.data_quality import data_checks
 from kvops.doctor.liveness import probe
+from kvops.doctor.metrics_read import attach_metrics
 from kvops.doctor.render import render_json, render_text
 from kvops.doctor.report import Check, Report, Status
+from kvops.doctor.traffic import traffic_checks
 from kvops.schema.reports import BlockSizeProfile, KVQuantProfile
 from kvops.schema.snapshot import Snapshot
 from kvops.supervisor.engine_client import EngineUnreachable
@@ -43,10 +46,31 @@ def add_doctor_args(parser: argparse.ArgumentParser) -> None:
                              "serving for a few seconds)")
     parser.add_argument("--admin-token", default=os.environ.get("KVOPS_ADMIN_TOKEN"),
                         help="the kvops engine's admin token, for the profiles (default: $KVOPS_ADMIN_TOKEN)")
+    parser.add_argument("--ttft-slo", type=_seconds, metavar="SECONDS",
+                        help="time-to-first-token SLO: flag a p95 above it (rule latency_slo)")
+    parser.add_argument("--itl-slo", type=_seconds, metavar="SECONDS",
+                        help="inter-token latency SLO: flag a p95 above it (rule latency_slo)")
     parser.add_argument("-v", "--verbose", action="store_true", help="show the detail behind each line")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--timeout", type=float, default=5.0,
                         help="seconds to wait for each answer, /health included (default: %(default)s)")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (e.g. 2 or 0.05)") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: an SLO must be more than 0 seconds")
+    return value
+
+
+def _slo(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """The latency SLOs given on the command line, as latency_slo's settings."""
+    given = {key: value for key, value in (("ttft_slo_s", getattr(args, "ttft_slo", None)),
+                                           ("itl_slo_s", getattr(args, "itl_slo", None))) if value is not None}
+    return {"latency_slo": given} if given else {}
 
 
 def run_doctor(args: argparse.Namespace) -> int:
@@ -62,7 +86,7 @@ def run_doctor(args: argparse.Namespace) -> int:
 
 def diagnose(args: argparse.Namespace) -> Report:
     if args.metrics_file:
-        return _metrics_file(Path(args.metrics_file))
+        return _metrics_file(Path(args.metrics_file), _slo(args))
     if args.url:
         parsed = urlparse(args.url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
@@ -134,7 +158,7 @@ def _static(report: Report, path: str | None) -> None:
             report.add(check)
 
 
-def _metrics_file(path: Path) -> Report:
+def _metrics_file(path: Path, slo: dict[str, dict[str, float]]) -> Report:
     report = Report(target=f"scrape {path}")
     try:
         text = path.read_text()
@@ -153,6 +177,10 @@ def _metrics_file(path: Path) -> Report:
         return report
     report.flavour = flavour
     snap = snapshot_from_scrape(flavour, scrape, path.stat().st_mtime)
+    if "uptime_s" in snap.unknown:  # a scrape without the process start: doctor then reads it as an hour's work
+        report.add(Check(section="Liveness", title="Process start", status=Status.INFO,
+                         evidence="the scrape has no process_start_time_seconds: rates are taken over an assumed "
+                                  "hour"))
     if scrape.damaged_lines:
         report.add(Check(section="Liveness", title="Scrape", status=Status.WARN,
                          evidence=f"{len(scrape.damaged_lines)} line(s) do not parse (a cut-off scrape?); "
@@ -161,7 +189,7 @@ def _metrics_file(path: Path) -> Report:
     report.add(Check(section="Liveness", title="Liveness", status=Status.SKIPPED,
                      evidence="an offline scrape: nothing to ask", remedy="kvops doctor --url URL for a live check"))
     _snapshot_sections(report, [snap], None, "", None,
-                       "an offline scrape cannot measure block sizes")
+                       "an offline scrape cannot measure block sizes", slo)
     return report
 
 
@@ -193,17 +221,21 @@ def _engine(report: Report, url: str, args: argparse.Namespace, local: bool) -> 
         block_why = kv_why = f"a {found.flavour} server has no kvops profile endpoints"
     if not local:
         report.add(environment.engine_device(snaps[-1]))
-    _snapshot_sections(report, snaps, kv_profile, kv_why, block_profile, block_why)
+    _snapshot_sections(report, snaps, kv_profile, kv_why, block_profile, block_why, _slo(args))
 
 
 def _snapshot_sections(report: Report, snaps: list[Snapshot], kv_profile: KVQuantProfile | None, kv_why: str,
-                       block_profile: BlockSizeProfile | None, block_why: str) -> None:
+                       block_profile: BlockSizeProfile | None, block_why: str,
+                       slo: dict[str, dict[str, float]] | None = None) -> None:
     latest = snaps[-1]
-    for check in configuration.snapshot_checks(latest):
-        report.add(check)
+    checks = [*data_checks(snaps), *configuration.snapshot_checks(latest)]
     if latest.source == "kvops" or block_profile is not None:
-        report.add(configuration.block_size_check(latest, block_profile, block_why))
-    for check in cache_checks(snaps, kv_profile, kv_why):
+        checks.append(configuration.block_size_check(latest, block_profile, block_why))
+    diagnoses, _ = evaluate(snaps, kv_profile, slo)
+    checks += cache_checks(snaps, kv_profile, kv_why, diagnoses)
+    checks += traffic_checks(snaps, diagnoses)
+    attach_metrics(checks, latest)
+    for check in checks:
         report.add(check)
 
 

@@ -18,6 +18,7 @@ import structlog
 from pydantic import BaseModel
 
 from kvops.rules import (
+    aborted_requests,
     block_size_mismatch,
     crash_loop,
     engine_down,
@@ -25,8 +26,11 @@ from kvops.rules import (
     kv_oom_runtime,
     kv_oom_start,
     kv_quant_error,
+    latency_slo,
+    no_prefix_hits,
     prefix_caching_off,
     prompt_variance,
+    queueing,
     swap_storm,
     tenant_pollution,
 )
@@ -63,6 +67,10 @@ _MODULES = (
     block_size_mismatch,
     kv_quant_error,
     host_bound,
+    queueing,
+    aborted_requests,
+    latency_slo,
+    no_prefix_hits,
 )
 
 RULES: dict[str, Rule[Any]] = {rule.id: rule for rule in map(_rule, _MODULES)}

@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
-from kvops.schema.snapshot import GpuStats, Snapshot, StepSample
+from kvops.schema.snapshot import GpuStats, Histogram, Snapshot, StepSample, histogram_since
 from kvops.supervisor.history import EngineHistory, Getter
 
 Evidence = dict[str, float | int | str | bool | None]
@@ -140,6 +140,16 @@ def halves_duration(history: EngineHistory, span: float) -> tuple[float, float] 
     if len(whole) < 2 or len(recent) < 2:
         return None
     return recent[0].time - whole[0].time, recent[-1].time - recent[0].time
+
+
+def window_histogram(snaps: list[Snapshot], get: Callable[[Snapshot], Histogram | None]) -> Histogram | None:
+    """A cumulative histogram's observations over the window: the last snapshot's minus the first one's that
+    has it (the server may start reporting mid-window). None when the last snapshot has none."""
+    last = get(snaps[-1]) if snaps else None
+    if last is None:
+        return None
+    first = next(hist for hist in map(get, snaps) if hist is not None)
+    return histogram_since(last, first)
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:

@@ -4,7 +4,8 @@ Reclaimable blocks (free + cached + pending-free: cached ones are evictable) are
 least-squares line over the window; when the line reaches zero soon, the engine is about to
 preempt. Preemptions already rising (the second half of the window at least as busy as the
 first, above a floor) say the same thing after the fact, including when the pool sits exhausted
-and the trend is flat.
+and the trend is flat. So does a pool exhausted through the whole window while requests wait: they
+queue for KV blocks (KV-bound queueing; the queueing rule owns queues with KV room to spare).
 """
 
 from __future__ import annotations
@@ -74,18 +75,26 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
 
     num_blocks = latest.engine.num_blocks
     available = reclaimable_blocks(latest)
-    exhausted = available / num_blocks <= settings.exhausted_fraction and (recent_rate or 0.0) > 0
+    preempting = (recent_rate or 0.0) > 0 or window_rate > 0
+    kv_bound = all(reclaimable_blocks(s) / num_blocks <= settings.exhausted_fraction and s.requests.waiting > 0
+                   for s in snaps)
+    exhausted = available / num_blocks <= settings.exhausted_fraction and (preempting or kv_bound)
     time_to_exhaustion = 0.0 if exhausted else (available / -slope if slope < 0 else None)
     preemptions_rising = (recent_rate is not None and recent_rate >= settings.min_preemptions_per_s
                           and recent_rate >= (earlier_rate or 0.0))
     running_out = time_to_exhaustion is not None and time_to_exhaustion <= settings.warning_s
     if not running_out and not preemptions_rising:
         return []
-    critical = time_to_exhaustion is not None and time_to_exhaustion <= settings.critical_s
+    # A full pool that queues requests without preempting works, slowly: a warning. Preemptions are critical.
+    critical = (time_to_exhaustion is not None and time_to_exhaustion <= settings.critical_s
+                and (preempting or not kv_bound))
 
     fix, fix_numbers = capacity_fix(latest, snaps, settings.target_usage, "the KV pool runs dry")
 
-    if time_to_exhaustion is not None:
+    if kv_bound and not preempting:
+        headline = (f"the pool is full ({available} of {num_blocks} blocks reclaimable) and {latest.requests.waiting} "
+                    f"request(s) wait for KV blocks: KV-bound queueing")
+    elif time_to_exhaustion is not None:
         headline = f"reclaimable blocks run out in {time_to_exhaustion:.0f} s ({available} of {num_blocks} left, " \
                    f"{slope:+.2f}/s)"
     else:
@@ -112,6 +121,7 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
             "preemptions_per_s_recent": None if recent_rate is None else round(recent_rate, 4),
             "running": latest.requests.running,
             "waiting": latest.requests.waiting,
+            "kv_bound_queueing": kv_bound,
             "max_num_seqs": latest.engine.max_num_seqs,
             "window_s": round(span, 1),
             **fix_numbers,

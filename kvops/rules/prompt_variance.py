@@ -8,7 +8,8 @@ only), a shadow hit rate far above the real one is the measured gain of turning 
 With normalization `off` there is nothing to compare; when the hit rate is low on many prompts the
 rule may propose `shadow` mode as a measurement (an `info` diagnosis, setting `suggest_shadow`). A vLLM
 or SGLang server has no normalization and no shadow cache: there the same low hit rate is an `info`
-diagnosis whose advice is to make shared prefixes byte-identical.
+diagnosis whose advice is to make shared prefixes byte-identical, down to a near-zero hit rate: that
+one no_prefix_hits reports (its causes are rarely prompt variance alone; one problem, one diagnosis).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from kvops.rules.common import PrefixCacheRuleSettings, cache_lookups, covered_steady_span, diagnosis, fresh_latest
+from kvops.rules.no_prefix_hits import NEAR_ZERO_HIT_RATE
 from kvops.schema.admin import SET_NORMALIZATION
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
 from kvops.schema.snapshot import Snapshot
@@ -89,6 +91,8 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
     if (queries < settings.min_queried_tokens or requests < settings.shadow_probe_min_requests
             or hit_rate > settings.shadow_probe_max_hit_rate):
         return []
+    if latest.source != "kvops" and hit_rate <= NEAR_ZERO_HIT_RATE:
+        return []  # no normalization to offer: no_prefix_hits reports (almost) no hits with their likely causes
     summary = f"the prefix cache hits {hit_rate:.0%} of {queries:.0f} prompt tokens over {requests:.0f} requests"
     if latest.source == "kvops":
         summary += ": measure whether normalization would help"

@@ -39,6 +39,7 @@ class EngineEntry(BaseModel):
     started_at: float | None = None  # when the running process started (managed engines)
     restart_at: float | None = None  # when a restart is due, after an exit
     last_log: str | None = None  # the engine's latest log line: what a starting engine is busy with
+    data_problems: list[str] = []  # values its metrics reported that cannot be right (kvops.adapters.plausibility)
 
 
 class LogLine(BaseModel):

@@ -112,7 +112,7 @@ class PrefixCacheStats(BaseModel):
 class RequestStats(BaseModel):
     running: int
     waiting: int
-    finished_total: int
+    finished_total: int  # requests that ended normally (stop, length); aborted ones are counted apart
     aborted_total: int
     preemptions_total: int
     prompt_tokens_total: int
@@ -146,6 +146,42 @@ HISTOGRAM_PERCENTILES = tuple(int(name[1:]) for name in Histogram.model_fields i
 def percentile_fields(value: Callable[[int], float | None]) -> dict[str, float | None]:
     """Histogram's percentile fields, each `value(q)` for q (in percent) in HISTOGRAM_PERCENTILES."""
     return {f"p{q}": value(q) for q in HISTOGRAM_PERCENTILES}
+
+
+class RankStats(BaseModel):
+    """One rank of a server that reports per rank (vLLM's `engine` label under data parallelism, SGLang's
+    `tp_rank` / `dp_rank` / `pp_rank`): the snapshot's totals add the ranks up; doctor shows them when they differ."""
+    labels: dict[str, str]  # the labels that tell this rank from the others, e.g. {"dp_rank": "1"}
+    kv_usage: float | None = None
+    running: int | None = None
+    waiting: int | None = None
+
+
+def bucket_quantile(bounds: list[float], counts: list[int], q: float) -> float | None:
+    """Prometheus's histogram_quantile over per-bucket counts (Histogram's `counts`, the last above every
+    bound): linear within the bucket holding the q-th observation; the highest bound when it falls above."""
+    total = sum(counts)
+    if total <= 0 or not bounds:
+        return None
+    rank = q * total
+    seen = 0
+    for index, count in enumerate(counts[:-1]):
+        if seen + count >= rank and count > 0:
+            lower = bounds[index - 1] if index > 0 else 0.0
+            return lower + (bounds[index] - lower) * (rank - seen) / count
+        seen += count
+    return bounds[-1]
+
+
+def histogram_since(now: Histogram, before: Histogram | None) -> Histogram:
+    """The observations of a cumulative histogram between two snapshots, with their percentiles; `now` itself
+    when `before` is missing, has other buckets, or counts more (the server restarted in between)."""
+    if (before is None or before.buckets != now.buckets or len(before.counts) != len(now.counts)
+            or before.count > now.count):
+        return now
+    counts = [max(0, a - b) for a, b in zip(now.counts, before.counts, strict=True)]
+    return Histogram(buckets=now.buckets, counts=counts, sum=max(0.0, now.sum - before.sum),
+                     count=sum(counts), **percentile_fields(lambda q: bucket_quantile(now.buckets, counts, q / 100)))
 
 
 class StepSample(BaseModel):
@@ -233,6 +269,15 @@ class Snapshot(BaseModel):
     # Generated tokens per finished request, where the source reports them (vLLM's
     # request_generation_tokens); None: only the mean is known (generation_tokens_total / finished_total).
     generation_lengths: Histogram | None = None
+    # Latency histograms in seconds, cumulative since start, where the source has them: time to first token,
+    # and time between consecutive tokens of a request. None: not reported (the sums in `requests` may be).
+    ttft: Histogram | None = None
+    itl: Histogram | None = None
+    ranks: list[RankStats] = Field(default_factory=list)  # empty: one rank, or not reported per rank
+    # Snapshot field (dotted path) -> the source's metric names it was read from: doctor -v names them.
+    metrics_read: dict[str, list[str]] = Field(default_factory=dict)
+    # Values the source reported that cannot be right (a ratio over 100%, ...): metrics problems, not diagnoses.
+    data_problems: list[str] = Field(default_factory=list)
     steps: list[StepSample]  # recent engine steps, oldest first (decode latency series)
     swap: SwapStats
     tenants: dict[str, TenantStats]

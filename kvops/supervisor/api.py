@@ -120,6 +120,7 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
                 started_at=managed.started_at if managed and managed.pid else None,
                 restart_at=managed.next_start_at if managed else None,
                 last_log=_last_log(managed),
+                data_problems=state.data_problems,
             ).model_dump(mode="json"))
         return out
 
@@ -148,9 +149,11 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
     @app.get("/api/prometheus/targets")
     async def prometheus_targets() -> list[dict[str, Any]]:
         # Prometheus's http_sd_configs format: a managed engine's port is chosen at start (and kept
-        # across restarts), so Prometheus learns it here instead of from a static config.
-        return [{"targets": [urlsplit(state.url).netloc], "labels": {"engine": name, "kind": state.spec.kind,
-                                                                     "managed": str(state.spec.managed).lower()}}
+        # across restarts), so Prometheus learns it here instead of from a static config. The kind is the
+        # recognised one, as on the supervisor's own series, so the two halves of an alert join on it.
+        return [{"targets": [urlsplit(state.url).netloc],
+                 "labels": {"engine": name, "kind": exporter.engine_kind(state),
+                            "managed": str(state.spec.managed).lower()}}
                 for name, state in sup.engines.items()]
 
     @app.get("/api/diagnoses")

@@ -112,16 +112,21 @@ class SupervisorCollector(Collector):
                                        "and no longer restarted.", labels=ENGINE_LABELS)
         errors = CounterMetricFamily("kvops_engine_poll_errors", "Polls that got no snapshot from the engine.",
                                      labels=ENGINE_LABELS)
+        implausible = GaugeMetricFamily("kvops_engine_data_problems", "Values in the engine's metrics that cannot "
+                                        "be right over the last minute (GET /api/engines lists them).",
+                                        labels=ENGINE_LABELS)
         kinds = {name: engine_kind(state) for name, state in sup.engines.items()}
         for name, state in sup.engines.items():
             up.add_metric([name, kinds[name], str(state.spec.managed).lower()], 1 if state.history.is_up else 0)
             restarts.add_metric([name, kinds[name]], state.history.restarts_total)
             crash_loop.add_metric([name, kinds[name]], 1 if state.history.crash_loop else 0)
             errors.add_metric([name, kinds[name]], sup.poll_errors.get(name, 0))
+            implausible.add_metric([name, kinds[name]], len(state.data_problems))
         yield up
         yield restarts
         yield crash_loop
         yield errors
+        yield implausible
         yield from snapshot_families(sup.engines.values())
 
         active = GaugeMetricFamily("kvops_diagnosis_active", "Active diagnoses by rule, severity and engine "

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from kvops.schema.engines import EngineExit
 from kvops.schema.reports import BlockSizeProfile, KVQuantProfile
-from kvops.schema.snapshot import Snapshot
+from kvops.schema.snapshot import Snapshot, TenantStats
 
 Getter = Callable[[Snapshot], float]
 
@@ -128,3 +128,33 @@ class EngineHistory:
 
     def exits_within(self, seconds: float, now: float) -> list[EngineExit]:
         return [e for e in self.exits if e.t >= now - seconds]
+
+
+def at_start(first: Snapshot) -> Snapshot:
+    """The engine at its start, from its first snapshot seen later: every cumulative counter zero (and the
+    cumulative histograms empty), gauges as first seen. Doctor, and `kvops run` joining a server that was
+    already running, put it first in the history, so counter deltas cover the run since the start."""
+    data = first.model_dump()
+    data["time"] = first.time - first.uptime_s
+    data["uptime_s"] = 0.0
+    prefix = data["prefix_cache"]
+    for key in ("queries_total", "hits_total", "evictions_total", "shadow_queries_total", "shadow_hits_total",
+                "potential_queries_total", "potential_hits_total"):
+        prefix[key] = 0
+    for key in ("finished_total", "aborted_total", "preemptions_total", "prompt_tokens_total",
+                "generation_tokens_total", "ttft_seconds_sum", "ttft_count", "itl_seconds_sum", "itl_count"):
+        data["requests"][key] = 0
+    for key in ("swap_out_total", "swap_in_total", "swap_in_reused_total", "swap_preemptions_total",
+                "swap_fallbacks_total"):
+        data["swap"][key] = 0
+    data["tenants"] = {
+        name: TenantStats(blocks_held=t["blocks_held"], quota_blocks=t["quota_blocks"],
+                          cache_salt=t["cache_salt"]).model_dump()
+        for name, t in data["tenants"].items()}
+    for name in ("ttft", "itl", "generation_lengths"):  # cumulative histograms: empty at the start
+        if data.get(name):
+            data[name].update(counts=[0] * len(data[name]["counts"]), sum=0.0, count=0,
+                              **{key: None for key in data[name] if key.startswith("p") and key[1:].isdigit()})
+    data["steps"] = []
+    data["data_problems"] = []
+    return Snapshot.model_validate(data)

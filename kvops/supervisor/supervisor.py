@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from kvops.adapters import WatchedEngineClient
+from kvops.adapters.plausibility import problems
 from kvops.alerting import Alerter
 from kvops.rules import evaluate_all
 from kvops.schema.diagnosis import Diagnosis, Severity
@@ -25,13 +26,14 @@ from kvops.supervisor.audit import AuditLog
 from kvops.supervisor.config import EngineSpec, KvopsConfig
 from kvops.supervisor.engine_client import EngineClient, EngineUnreachable
 from kvops.supervisor.fixes import FixManager
-from kvops.supervisor.history import EngineHistory, HealthSample
+from kvops.supervisor.history import EngineHistory, HealthSample, at_start
 from kvops.supervisor.managed_engine import ManagedEngine
 
 log = structlog.get_logger("kvops.supervisor")
 
 KV_PROFILE_INTERVAL_S = 3600.0
 BLOCK_SIZE_PROFILE_INTERVAL_S = 3600.0
+DATA_WINDOW_S = 60.0  # implausible data is judged over the last minute's snapshots
 BLOCK_SIZE_PROFILE_MIN_REQUESTS = 50  # measure on a real length distribution, not an empty one
 
 
@@ -48,6 +50,7 @@ class EngineState:
     next_block_size_profile_at: float = 0.0
     probing: bool = False
     process_seen: object = None  # the managed process last polled: a different one means a (re)start
+    data_problems: list[str] = field(default_factory=list)  # kvops.adapters.plausibility's, latest poll
 
     @property
     def name(self) -> str:
@@ -176,11 +179,23 @@ class Supervisor:
         state.ready = True
         state.last_error = ""
         state.history.record_health(HealthSample(now, True))
+        if managed is None and state.history.latest is None and snap.knows("uptime_s"):
+            # Joining a server that was already running: its counters were zero when it started, so the
+            # rules see what it did since then, as doctor does (rules ignore a start outside their window).
+            state.history.add(at_start(snap))
         state.history.add(snap)
+        self._check_data(state)
         if snap.source != "kvops":
             return  # the profiles are kvops admin endpoints
         self._schedule_probes(state, snap.engine.kv_cache_dtype != snap.engine.dtype,
                               snap.requests.finished_total, now)
+
+    def _check_data(self, state: EngineState) -> None:
+        """Values that cannot be right, over the last minute: kept for the API and /metrics, logged when new."""
+        found = problems(state.history.window(DATA_WINDOW_S))
+        for problem in sorted(set(found) - set(state.data_problems)):
+            log.warning("implausible metrics data", engine=state.name, problem=problem)
+        state.data_problems = found
 
     def _targets(self, engine: str) -> tuple[EngineClient, ManagedEngine | None]:
         state = self.engines[engine]

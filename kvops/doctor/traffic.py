@@ -1,0 +1,132 @@
+"""Traffic: how requests fare, next to the cache's health. Queueing while the KV cache has room, aborted
+requests, time to first token and between tokens against an SLO, and ranks that carry unequal load.
+
+The lines report the diagnoses of the rules `kvops run` uses too (queueing, aborted_requests, latency_slo),
+and the plain numbers when none fired; a line whose metric the server lacks says which one it would need.
+"""
+
+from __future__ import annotations
+
+from kvops.adapters import missing_metric
+from kvops.doctor.report import Check, Status
+from kvops.schema.diagnosis import Diagnosis, Severity
+from kvops.schema.snapshot import Histogram, Snapshot
+
+SECTION = "Traffic"
+SEVERITY_STATUS = {Severity.CRITICAL: Status.FAIL, Severity.WARNING: Status.WARN, Severity.INFO: Status.INFO}
+# Ranks whose KV usage differs by more than this, or that queue while others do not, are shown one by one.
+RANK_USAGE_SPREAD = 0.2
+
+
+def traffic_checks(snaps: list[Snapshot], diagnoses: list[Diagnosis]) -> list[Check]:
+    latest = snaps[-1]
+    checks = [_queueing(latest, [d for d in diagnoses if d.rule == "queueing"]),
+              _aborted(latest, [d for d in diagnoses if d.rule == "aborted_requests"]),
+              *_latency(latest, [d for d in diagnoses if d.rule == "latency_slo"])]
+    ranks = _ranks(latest)
+    return checks + ([ranks] if ranks else [])
+
+
+def _line(title: str, diagnosis: Diagnosis) -> Check:
+    detail = [f"rule {diagnosis.rule}: {diagnosis.title}"]
+    detail.extend(f"{key} = {value}" for key, value in diagnosis.evidence.items())
+    return Check(section=SECTION, title=title, status=SEVERITY_STATUS[diagnosis.severity], evidence=diagnosis.summary,
+                 remedy=diagnosis.fix.description if diagnosis.fix else "", detail=detail, rule=diagnosis.rule)
+
+
+def _missing(title: str, snap: Snapshot, what: str, field: str) -> Check:
+    needs = missing_metric(snap.source, field)
+    return Check(section=SECTION, title=title, status=Status.SKIPPED, evidence=f"{snap.source} does not report {what}",
+                 remedy=f"needs {needs}" if needs else "")
+
+
+def _queueing(latest: Snapshot, found: list[Diagnosis]) -> Check:
+    title = "Queueing"
+    if found:
+        return _line(title, found[0])
+    if not latest.knows("requests.waiting"):
+        return _missing(title, latest, "waiting requests", "requests.waiting")
+    requests = latest.requests
+    usage = f", KV usage {latest.blocks.usage:.0%}" if latest.knows("blocks.usage") else ""
+    return Check(section=SECTION, title=title, status=Status.OK,
+                 evidence=f"{requests.waiting} waiting, {requests.running} running{usage}")
+
+
+def _aborted(latest: Snapshot, found: list[Diagnosis]) -> Check:
+    title = "Aborted requests"
+    if found:
+        return _line(title, found[0])
+    if not latest.knows("requests.aborted_total"):
+        return _missing(title, latest, "aborted requests", "requests.aborted_total")
+    requests = latest.requests
+    if not latest.knows("requests.finished_total"):
+        status = Status.INFO if requests.aborted_total else Status.OK
+        return Check(section=SECTION, title=title, status=status,
+                     evidence=f"{requests.aborted_total} aborted or failed since start; {latest.source} reports no "
+                              "count of finished requests to compare them with",
+                     remedy=f"needs {missing_metric(latest.source, 'requests.finished_total')}")
+    ended = requests.aborted_total + requests.finished_total
+    share = f" ({requests.aborted_total / ended:.1%})" if ended else ""
+    return Check(section=SECTION, title=title, status=Status.OK,
+                 evidence=f"{requests.aborted_total} of {ended} ended requests{share} since start")
+
+
+def _percentiles(histogram: Histogram) -> str:
+    """p50, p95, p99 and the mean; a percentile above the highest bound reads "> bound" (the bucket has no top)."""
+    finite = histogram.count - histogram.counts[-1]
+    parts = []
+    for q, value in ((50, histogram.p50), (95, histogram.p95), (99, histogram.p99)):
+        if value is None:
+            continue
+        above = histogram.buckets and q / 100 * histogram.count > finite
+        parts.append(f"p{q} > {histogram.buckets[-1]:g}" if above else f"p{q} {value:.3g}")
+    if histogram.count:
+        parts.append(f"mean {histogram.sum / histogram.count:.3g}")
+    return ", ".join(parts)
+
+
+def _latency(latest: Snapshot, found: list[Diagnosis]) -> list[Check]:
+    checks = []
+    for field, title, samples in (("ttft", "Time to first token", "requests"), ("itl", "Inter-token latency",
+                                                                             "tokens")):
+        broken = [d for d in found if d.subject == field]
+        if broken:
+            checks.append(_line(title, broken[0]))
+            continue
+        histogram = latest.ttft if field == "ttft" else latest.itl
+        if histogram is None or not latest.knows(field):
+            checks.append(_missing(title, latest, f"a {title.lower()} histogram", field))
+        elif histogram.count == 0:
+            checks.append(Check(section=SECTION, title=title, status=Status.SKIPPED, evidence="nothing measured yet"))
+        else:
+            checks.append(Check(section=SECTION, title=title, status=Status.OK,
+                                evidence=f"{_percentiles(histogram)} s over {histogram.count} {samples} since start",
+                                detail=["set an SLO to check against: kvops doctor --ttft-slo SECONDS --itl-slo "
+                                        "SECONDS, or [rules.latency_slo.settings] in kvops run's config"]))
+    return checks
+
+
+def _ranks(latest: Snapshot) -> Check | None:
+    """The ranks one by one, when their load differs; None when there is one rank or they agree."""
+    ranks = latest.ranks
+    if len(ranks) < 2:
+        return None
+    usages = [r.kv_usage for r in ranks if r.kv_usage is not None]
+    waiting = [r.waiting or 0 for r in ranks]
+    spread = max(usages) - min(usages) if usages else 0.0
+    uneven_queue = any(waiting) and not all(waiting)
+    detail = [", ".join(f"{k}={v}" for k, v in r.labels.items()) + ": "
+              + ", ".join(part for part in (f"KV usage {r.kv_usage:.0%}" if r.kv_usage is not None else "",
+                                            f"{r.running} running" if r.running is not None else "",
+                                            f"{r.waiting} waiting" if r.waiting is not None else "") if part)
+              for r in ranks]
+    if spread <= RANK_USAGE_SPREAD and not uneven_queue:
+        return Check(section=SECTION, title="Ranks", status=Status.OK,
+                     evidence=f"{len(ranks)} ranks with even load (KV usage within {spread:.0%})", detail=detail)
+    busiest = max(ranks, key=lambda r: ((r.waiting or 0), r.kv_usage or 0.0))
+    idlest = min(ranks, key=lambda r: ((r.waiting or 0), r.kv_usage or 0.0))
+    return Check(section=SECTION, title="Ranks", status=Status.WARN,
+                 evidence=f"{len(ranks)} ranks with uneven load: {detail[ranks.index(busiest)]} against "
+                          f"{detail[ranks.index(idlest)]}",
+                 remedy="the router or the data-parallel balancer sends more to some ranks: check its policy "
+                        "(round robin vs. shortest queue) and the prompts' affinity", detail=detail)

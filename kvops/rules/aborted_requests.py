@@ -1,0 +1,66 @@
+"""Many requests end aborted: clients give up (time out, disconnect, cancel) before the answer is done.
+
+Over the window (counter deltas), the share of aborted requests among those that ended, once at least
+`min_requests` ended. Aborts are a symptom: clients usually give up because the first token takes too long,
+i.e. requests queue (see the queueing and latency_slo lines), or because the answers are too slow to stream.
+Only where the server counts aborts (`requests.aborted_total` known).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from kvops.rules.common import WindowRuleSettings, covered_window, diagnosis, fresh_latest, run_span
+from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity
+from kvops.supervisor.history import EngineHistory
+
+RULE_ID = "aborted_requests"
+TITLE = "Many requests are aborted: clients give up before the answer"
+DESCRIPTION = "a large share of the requests that ended in the window were aborted"
+
+class Settings(WindowRuleSettings):
+    min_requests: int = Field(20, ge=1, description="requests that ended in the window (aborted or not)")
+    warning_share: float = Field(0.10, gt=0, le=1, description="warning from this share of aborted requests")
+    critical_share: float = Field(0.50, gt=0, le=1, description="critical from this share")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Settings:
+        if self.critical_share < self.warning_share:
+            raise ValueError("critical_share must be at least warning_share")
+        return self
+
+
+def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Diagnosis]:
+    latest = fresh_latest(history, now, settings.max_snapshot_age_s)
+    if latest is None or not latest.knows("requests.aborted_total") or not latest.knows("requests.finished_total"):
+        return []
+    span = run_span(latest, settings.window_s)
+    if not covered_window(history, span, settings):
+        return []
+    aborted = history.delta(lambda s: s.requests.aborted_total, span) or 0.0
+    finished = history.delta(lambda s: s.requests.finished_total, span) or 0.0
+    ended = finished + aborted  # the snapshot counts the two apart, on every kind of server
+    if ended < settings.min_requests or ended <= 0:
+        return []
+    share = aborted / ended
+    if share < settings.warning_share:
+        return []
+    severity = Severity.CRITICAL if share >= settings.critical_share else Severity.WARNING
+    summary = (f"{aborted:.0f} of {ended:.0f} requests that ended in the last {span:.0f} s were aborted "
+               f"({share:.0%}): clients time out or disconnect, usually because requests queue or the first token "
+               f"is slow; check the queueing and latency lines")
+    return [diagnosis(
+        history, RULE_ID, TITLE, severity, summary,
+        {
+            "aborted": int(aborted),
+            "finished": int(ended - aborted),
+            "ended": int(ended),
+            "aborted_share": round(share, 4),
+            "waiting": latest.requests.waiting if latest.knows("requests.waiting") else None,
+            "running": latest.requests.running if latest.knows("requests.running") else None,
+            "window_s": round(span, 1),
+        },
+        fix=Fix(kind=FixKind.REPORT, action="advice",
+                description="find why clients give up: if requests queue or TTFT is high, admit more requests or "
+                            "add capacity; else raise the clients' timeouts or look at their logs"),
+    )]
