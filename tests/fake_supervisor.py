@@ -33,6 +33,7 @@ class FakeSupervisor:
         self.applied: list[tuple[str, str, str]] = []
         self.reverted: list[int] = []
         self.log_requests: list[str] = []
+        self.jobs: list[dict[str, object]] = []  # GET /api/fixes: none running unless a test adds one
         self.log_lines = [("info", "engine started"), ("warning", "preempted 2 sequences"),
                           ("error", "request failed: prompt too long")]
         self.snaps = {
@@ -83,6 +84,10 @@ class FakeSupervisor:
     def audit(self) -> list[AuditEntry]:
         self._check()
         return list(self.entries)
+
+    def fixes(self) -> list[dict[str, object]]:
+        self._check()
+        return list(self.jobs)
 
     def logs(self, name: str, lines: int = 100) -> list[LogLine]:
         self._check()

@@ -46,6 +46,12 @@ def only(diagnoses: list[Diagnosis]) -> Diagnosis:
     return diagnoses[0]
 
 
+def objectives(d: Diagnosis) -> list[tuple[str, str, str]]:
+    """What the fix must move, as (measure, better, subject)."""
+    assert d.fix is not None
+    return [(o.measure, o.better, o.subject) for o in d.fix.objectives]
+
+
 # ---------------------------------------------------------------- registry
 
 
@@ -129,7 +135,7 @@ def test_kv_oom_start_fires_when_full_concurrency_overflows_the_pool() -> None:
     # On the CPU the free memory is unknown: fewer sequences (requests queue) rather than a bigger budget.
     assert d.fix is not None and d.fix.kind is FixKind.RESTART and d.fix.action == "restart_engine"
     assert d.fix.params == {"max_num_seqs": 8}
-    assert d.verification is not None and d.verification.evidence_key == "overcommit"
+    assert objectives(d) == [("overcommit", "lower", "")]
 
 
 def test_kv_oom_start_raises_the_budget_when_the_gpu_has_the_memory() -> None:
@@ -196,9 +202,8 @@ def test_kv_oom_runtime_warns_before_the_pool_runs_dry() -> None:
     assert d.evidence["time_to_exhaustion_s"] == pytest.approx(50.0)
     assert d.evidence["blocks_per_seq"] == 80
     assert d.fix is not None and d.fix.kind is FixKind.RESTART and d.fix.params == {"max_num_seqs": 11}
-    # No preemption yet: the fix must buy time before the pool runs dry.
-    assert d.verification is not None and d.verification.evidence_key == "time_to_exhaustion_s"
-    assert d.verification.better == "higher"
+    # No preemption yet: the fix must lower the pool's peak usage.
+    assert objectives(d) == [("kv_usage_max", "lower", "")]
 
 
 def test_kv_oom_runtime_is_critical_within_30_seconds() -> None:
@@ -223,8 +228,7 @@ def test_kv_oom_runtime_exhausted_pool_with_rising_preemptions_is_critical() -> 
     assert d.severity is Severity.CRITICAL and d.evidence["time_to_exhaustion_s"] == 0.0
     assert d.evidence["preemptions_per_s_recent"] == pytest.approx(0.5, abs=0.05)
     assert d.evidence["preemptions_per_s_earlier"] == pytest.approx(0.2, abs=0.05)
-    assert d.verification is not None and d.verification.evidence_key == "preemptions_per_s"
-    assert d.verification.better == "lower"
+    assert d.fix is not None and objectives(d) == [("preemptions_per_s", "lower", "")]
 
 
 def test_kv_oom_runtime_warns_on_steady_preemptions_with_blocks_left() -> None:
@@ -286,8 +290,7 @@ def test_swap_storm_fires_on_rate_volume_and_latency() -> None:
     # Sequences grow as long as the steps' contexts (78 blocks, more than the 63.5 each holds now): 11 fit
     # in 90% of the pool.
     assert d.fix is not None and d.fix.params == {"max_num_seqs": 11}
-    assert d.verification is not None and d.verification.evidence_key == "swap_rate"
-    assert d.verification.better == "lower"
+    assert objectives(d) == [("swap_out_per_s", "lower", "")]
 
 
 def test_swap_storm_is_critical_when_every_allocation_swaps() -> None:

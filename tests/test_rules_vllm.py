@@ -191,6 +191,11 @@ def test_block_size_128_with_short_chats_is_diagnosed_with_the_numbers():
     assert e["seqs_per_pool"] == 182.0 and e["proposed_seqs_per_pool"] > 260
     assert e["prefix_blocked"] is True and e["prefix_hit_rate"] == 0.0 and e["prefix_queried_tokens"] == 1104
     assert d.fix.params == {"block_size": 32} and "--block-size 32" in d.fix.description
+    # vLLM reports no slot fill level: judged by the KV slots each running request holds, half the 32% fall
+    # the smaller block promises.
+    [goal] = d.fix.objectives
+    assert (goal.measure, goal.better) == ("kv_slots_per_request", "lower")
+    assert goal.min_effect == pytest.approx(e["kv_freed_fraction"] / 2, abs=1e-3)
 
 
 def test_block_size_32_with_the_same_chats_is_not_a_block_size_problem():

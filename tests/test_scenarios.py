@@ -1,6 +1,7 @@
 """Every diagnosis reproduced on the real engine under the supervisor: fault → diagnosis → fix →
-verification (kvops/scenarios, docs/scenarios.md). The quick ones run in every test run; the
-long ones (a minute or more each) are marked slow: `pytest -m slow tests/test_scenarios.py`."""
+verification (kvops/scenarios, docs/scenarios.md). The quick ones run in every test run, and so does
+`clean` (two minutes of healthy load: the false-positive check); the other long ones (a minute or more
+each) are marked slow: `pytest -m slow tests/test_scenarios.py`."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import pytest
 from kvops.scenarios import scenarios
 from kvops.scenarios.runner import ScenarioResult
 
-QUICK = ("capacity_refused", "crash_loop", "prompt_variance", "prefix_caching_off", "kv_quant_error", "oom_runtime")
-SLOW = ("tenant_pollution", "swap_storm", "clean")
+QUICK = ("capacity_refused", "crash_loop", "prompt_variance", "prefix_caching_off", "kv_quant_error", "oom_runtime",
+         "clean")
+SLOW = ("tenant_pollution", "swap_storm")
 # On CPU the block size barely changes decode time, so this one passes or fails with the noise
 # (docs/scenarios.md); it stays a command for machines where the effect is measurable.
 COMMAND_ONLY = ("block_size",)

@@ -201,6 +201,8 @@ policy = "auto"
 window_s = 3
 min_queried_tokens = 300
 """)
+    # Nine requests are too few for the judge (inconclusive, extended once): kept by this policy, with a note.
+    config.write_text(config.read_text().replace("alert_warmup_s = 0", 'alert_warmup_s = 0\ninconclusive = "keep"'))
     daemon = Daemon(config)
     try:
         daemon.wait_engine_up()
@@ -212,8 +214,9 @@ min_queried_tokens = 300
                                                    "prompt": shared + f"Question {i}: what is fresh today?"})
             for i in range(6):
                 ask(i)
-            applied = daemon.wait("the fix to be applied", lambda: [
-                e for e in daemon.get("/api/audit") if e["rule"] == "prefix_caching_off" and e["action"] == "applied"])
+            applied = daemon.wait("the fix to be applied", lambda: [  # applied: its job is verifying it
+                e for e in daemon.get("/api/audit")
+                if e["rule"] == "prefix_caching_off" and e["action"] == "verifying"])
             assert applied[0]["before"] == {"enable_prefix_caching": False}
             assert applied[0]["after"] == {"enable_prefix_caching": True}
             for i in range(6, 9):
@@ -222,6 +225,8 @@ min_queried_tokens = 300
             e for e in daemon.get("/api/audit") if e["rule"] == "prefix_caching_off" and e["action"] == "verified"],
             timeout_s=30)
         assert verified[0]["evidence_before"]["potential_hit_rate"] > 0.3
+        assert verified[0]["verdict"]["kind"] == "inconclusive" and verified[0]["verdict"]["extended"]
+        assert daemon.get("/api/fixes")[0]["state"] == "verified"
         metrics = httpx.get(daemon.api + "/metrics").text
         assert 'kvops_fixes_total{engine="default",outcome="verified",rule="prefix_caching_off"} 1.0' in metrics
         snap = daemon.get("/api/engines/default/snapshot")

@@ -19,6 +19,7 @@ from kvops.top.app import KvopsTop
 from kvops.top.client import SupervisorClient
 from kvops.top.embedded import EmbeddedSupervisor, supervisor_answers
 from kvops.top.screens import ConfirmScreen
+from kvops.top.widgets.audit import AuditPanel
 from kvops.top.widgets.common import Readout
 
 
@@ -78,10 +79,14 @@ def test_demo_under_an_embedded_supervisor_shows_diagnoses_and_applies_a_fix(tmp
                 assert isinstance(app.screen, ConfirmScreen)
                 await pilot.press("y")
                 # the demo proposes fixes (suggest policy): a "proposed" prompt_variance entry is
-                # there before `f`, so wait for the applied one
+                # there before `f`, so wait for the applied one (its job verifying it)
                 await _until(pilot, "the fix in the audit log", lambda: any(
-                    a.rule == "prompt_variance" and a.action == "applied" for a in app.state.audit), 30)
-                assert "applied" in _rows(app, "audit", 2)
+                    a.rule == "prompt_variance" and a.action == "verifying" for a in app.state.audit), 30)
+                assert "verifying" in _rows(app, "audit", 2)
+                # the running job's state and progress, on the audit panel's border
+                panel = app.query_one(AuditPanel)
+                await _until(pilot, "the job's progress", lambda: "prompt_variance on demo: verifying" in str(
+                    panel.border_subtitle), 10)
                 await _until(pilot, "normalization on",
                              lambda: app.engine.latest.prefix_cache.normalization == "on", 10)
 

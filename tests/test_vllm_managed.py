@@ -26,7 +26,7 @@ import pytest
 from waiting import wait_for
 
 from kvops.engine.errors import ConfigError
-from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
+from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
 from kvops.supervisor.config import KvopsConfig, parse_config
 from kvops.supervisor.history import EngineHistory
 from kvops.supervisor.managed_engine import ManagedEngine
@@ -278,7 +278,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     state = tmp_path_factory.mktemp("state")
     config = parse_config({
         "supervisor": {"listen": f"127.0.0.1:{_free_port()}", "state_dir": str(state), "poll_interval_s": 0.5,
-                       "verify_after_s": 3, "alert_warmup_s": 0},
+                       "verify_after_s": 20, "alert_warmup_s": 0},
         "engines": [{"name": "vllm", "kind": "vllm", "python": str(VLLM_PYTHON),
                      "args": {"block_size": 128, "kv_cache_memory": "64MiB", "max_model_len": 1024},
                      "restart": {"initial_backoff_s": 0.5}}],
@@ -322,22 +322,44 @@ def test_real_vllm_killed_is_restarted(served):
 @pytest.mark.vllm
 @real
 def test_real_vllm_block_size_fix_restarts_with_the_new_flag_and_is_judged(served):
-    state = served.sup.engines["vllm"]
-    # Short chats at block size 128: each holds a 128-token block for ~50 tokens (the block_size_waste rule
-    # needs 20 finished requests in vLLM's length histograms).
-    _chats(served.engine()["url"], 24)
+    # Short chats at block size 128, all the way through: each holds a 128-token block for ~50 tokens (the
+    # block_size_waste rule needs 20 finished requests in vLLM's length histograms), and the fix's windows
+    # before and after it need requests to judge on.
+    stop = threading.Event()
 
+    def steady_chats() -> None:
+        while not stop.is_set():
+            engine = served.engine()
+            if not engine["up"]:
+                time.sleep(1)
+                continue
+            try:
+                _chats(engine["url"], 8)
+            except httpx.HTTPError:
+                time.sleep(1)  # restarting
+
+    load = threading.Thread(target=steady_chats, daemon=True)
+    load.start()
+    try:
+        _judged_block_size_fix(served)
+    finally:
+        stop.set()
+        load.join(timeout=180)
+
+
+def _judged_block_size_fix(served: Served) -> None:
     def proposal() -> Diagnosis | None:
         return next((d for d in served.sup.diagnoses if d.fix and d.fix.kind is FixKind.RESTART
                      and "block_size" in d.fix.params), None)
 
     try:
-        proposed = wait_for("a block-size diagnosis", proposal, 20)
+        proposed = wait_for("a block-size diagnosis", proposal, 60)
     except AssertionError:
         proposed = None
+    time.sleep(20)  # a full before-window of traffic (verify_after_s)
     started = time.monotonic()
     if proposed is not None:  # a rule proposes it on this load: through the API, as a person would
-        response = served.api.post("/api/fixes/apply", timeout=600, json={
+        response = served.api.post("/api/fixes/apply", timeout=60, json={
             "engine": "vllm", "rule": proposed.rule, "subject": proposed.subject})
         assert response.status_code == 200, response.text
         new_block = proposed.fix.params["block_size"]
@@ -346,25 +368,34 @@ def test_real_vllm_block_size_fix_restarts_with_the_new_flag_and_is_judged(serve
         diagnosis = Diagnosis(rule="block_size_mismatch", engine="vllm", severity=Severity.WARNING,
                               title="block size", summary="test", evidence={"waste": 0.7},
                               fix=Fix(kind=FixKind.RESTART, action="restart_engine", params={"block_size": 32},
-                                      description="restart with --block-size 32"),
-                              verification=Verification(evidence_key="waste", better="lower", min_change=0.1))
-        served.sup.fixes.apply(diagnosis, state.client, state.managed)
+                                      description="restart with --block-size 32",
+                                      objectives=[Objective(measure="kv_slots_per_request", better="lower",
+                                                            min_effect=0.1)]))
+        served.sup.fixes.apply(diagnosis)
     how = f"proposed by {proposed.rule}, applied through the API" if proposed else "applied in process"
+    # The fix runs as a job beside the poll loop: queued, then the restart, then its window.
+    engine = wait_for("vLLM restarted with the new block size",
+                      lambda: (e := served.engine())["up"] and e["args"]["block_size"] == new_block and e, 420)
     print(f"\nvLLM restarted with --block-size {new_block} ({how}): up in {time.monotonic() - started:.0f} s")
-    engine = served.engine()
-    assert engine["args"]["block_size"] == new_block
-    assert f"--block-size {new_block}" in " ".join(psutil.Process(engine["pid"]).cmdline())
+    pid = engine["pid"] or wait_for("its pid", lambda: served.engine()["pid"], 30)
+    assert f"--block-size {new_block}" in " ".join(psutil.Process(pid).cmdline())
     wait_for("a snapshot at the new block size",
              lambda: served.api.get("/api/engines/vllm/snapshot").json()["engine"]["block_size"] == new_block, 60)
-    wait_for("the fix's verdict",
-             lambda: any(e["action"] in ("verified", "rolled_back") for e in served.api.get("/api/audit").json()), 180)
-    audit = served.api.get("/api/audit").json()
-    applied = next(e for e in audit if e["action"] == "applied")
+    verdict = wait_for("the fix's verdict", lambda: next(
+        (e for e in served.api.get("/api/audit").json() if e["action"] in ("verified", "rolled_back", "failed")),
+        None), 600)
+    applied = next(e for e in served.api.get("/api/audit").json() if e["action"] == "verifying")
     assert applied["before"]["block_size"] == 128 and applied["after"]["block_size"] == new_block
-    verdict = next(e for e in audit if e["action"] in ("verified", "rolled_back"))
-    print(f"verdict: {verdict['action']}: {verdict['message']}")
-    if verdict["action"] == "rolled_back":
-        assert served.sup.engines["vllm"].managed.args["block_size"] == 128  # type: ignore[union-attr]
+    judged = verdict["verdict"]
+    print(f"verdict: {verdict['action']} ({judged['kind']}): {verdict['message']}")
+    assert judged["objectives"] and judged["objectives"][0]["measure"] in ("kv_slots_per_request", "slot_efficiency")
+    assert judged["traffic_before"] > 0, judged  # judged on requests, not on the diagnosis going away
+    if judged["kind"] == "improved":
+        assert verdict["action"] == "verified"
+    else:  # no effect, worse, inconclusive: back on 128, restarted and answering
+        assert verdict["action"] in ("rolled_back", "failed")
+        wait_for("vLLM back on block size 128", lambda: (e := served.engine())["up"] and e["args"]["block_size"] == 128,
+                 420)
 
 
 def test_config_errors_for_a_managed_vllm_name_the_key():

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pydantic import Field
 
 from kvops.rules.common import Evidence, SnapshotRuleSettings, diagnosis
-from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
+from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
 from kvops.schema.snapshot import Histogram, Snapshot
 from kvops.supervisor.history import EngineHistory
 
@@ -229,6 +229,13 @@ def capacity_diagnoses(history: EngineHistory, settings: CapacitySettings, lates
         history, rule, CAPACITY_TITLE, severity, summary, evidence, subject=CAPACITY_SUBJECT,
         fix=Fix(kind=FixKind.RESTART, action="restart_engine", params={"block_size": best},
                 description=f"drain and restart with {_flag(latest, best)} (now {b}): each sequence holds "
-                            f"~{allocated[best]:.0f} KV slots instead of ~{allocated[b]:.0f}{also}"),
-        verification=Verification(evidence_key="fragmentation", better="lower", min_change=round(saving / 2, 4)),
+                            f"~{allocated[best]:.0f} KV slots instead of ~{allocated[b]:.0f}{also}",
+                # Used over allocated slots rises by saving / (1 - saving) when each sequence holds `saving`
+                # fewer slots for the same tokens: half of that must show. A server without a slot fill
+                # level (vLLM): the slots each running request holds fall by `saving`; half must show.
+                objectives=[Objective(measure="slot_efficiency", better="higher",
+                                      min_effect=round(saving / (1 - saving) / 2, 4))
+                            if latest.knows("blocks.used_slots") else
+                            Objective(measure="kv_slots_per_request", better="lower",
+                                      min_effect=round(saving / 2, 4))]),
     )]

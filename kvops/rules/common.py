@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
+from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
 from kvops.schema.snapshot import GpuStats, Histogram, Snapshot, StepSample, histogram_since
 from kvops.supervisor.history import EngineHistory, Getter
 
@@ -58,12 +58,15 @@ class PrefixCacheRuleSettings(WindowRuleSettings):
 
 
 def diagnosis(history: EngineHistory, rule: str, title: str, severity: Severity, summary: str, evidence: Evidence,
-              *, fix: Fix | None = None, verification: Verification | None = None, subject: str = "") -> Diagnosis:
-    """A diagnosis of the history's engine. Without a fix there is nothing to verify, so a verification
-    is kept only with one."""
+              *, fix: Fix | None = None, subject: str = "") -> Diagnosis:
+    """A diagnosis of the history's engine; what its fix must move to be kept is the fix's `objectives`."""
     return Diagnosis(rule=rule, engine=history.engine, subject=subject, severity=severity, title=title,
-                     summary=summary, evidence=evidence, fix=fix,
-                     verification=verification if fix is not None else None)
+                     summary=summary, evidence=evidence, fix=fix)
+
+
+def with_objectives(fix: Fix | None, *objectives: Objective) -> Fix | None:
+    """`fix` (built by a shared helper such as `capacity_fix`) with the objectives the rule judges it by."""
+    return None if fix is None else fix.model_copy(update={"objectives": list(objectives)})
 
 
 def fresh_latest(history: EngineHistory, now: float, max_age_s: float) -> Snapshot | None:

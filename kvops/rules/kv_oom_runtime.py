@@ -23,8 +23,9 @@ from kvops.rules.common import (
     ratio,
     reclaimable_blocks,
     run_span,
+    with_objectives,
 )
-from kvops.schema.diagnosis import Diagnosis, Severity, Verification
+from kvops.schema.diagnosis import Diagnosis, Objective, Severity
 from kvops.schema.snapshot import Snapshot
 from kvops.supervisor.history import EngineHistory
 
@@ -45,7 +46,7 @@ class Settings(WindowRuleSettings):
         0.02, ge=0, lt=1, description="reclaimable share of the pool at or below which the pool counts as exhausted "
                                       "(time to exhaustion 0) while preemptions happen")
     target_usage: float = Field(0.9, gt=0, le=1, description="the fix sizes the pool for this usage at max_num_seqs")
-    verify_min_change: float = Field(0.25, ge=0, description="relative fall of the verified evidence that counts")
+    verify_min_change: float = Field(0.25, ge=0, description="relative fall of the preemption rate that counts")
 
 
 def _preemptions(snap: Snapshot) -> float:
@@ -100,11 +101,12 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
     else:
         headline = f"{available} of {num_blocks} blocks reclaimable"
     # Preemptions are what a smaller concurrency or a larger pool must bring down; without any yet, the
-    # time left before the pool runs dry must grow.
-    verification = (Verification(evidence_key="preemptions_per_s", better="lower",
-                                 min_change=settings.verify_min_change) if window_rate > 0 else
-                    Verification(evidence_key="time_to_exhaustion_s", better="higher",
-                                 min_change=settings.verify_min_change))
+    # pool's peak usage must: sized for target_usage, it falls from ~1 to about that, so half of that fall
+    # counts (a relative 25% would ask a full pool to drop to 75%).
+    objective = (Objective(measure="preemptions_per_s", better="lower", min_effect=settings.verify_min_change)
+                 if window_rate > 0 else
+                 Objective(measure="kv_usage_max", better="lower",
+                           min_effect=round((1 - settings.target_usage) / 2, 4)))
     return [diagnosis(
         history, RULE_ID, TITLE, Severity.CRITICAL if critical else Severity.WARNING,
         f"{headline}; preemptions {window_rate:.2f}/s over {span:.0f} s",
@@ -126,5 +128,5 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
             "window_s": round(span, 1),
             **fix_numbers,
         },
-        fix=fix, verification=verification,
+        fix=with_objectives(fix, objective),
     )]

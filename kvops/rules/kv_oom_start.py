@@ -21,7 +21,7 @@ from kvops.rules.common import (
     gpu_free_bytes,
     memory_evidence,
 )
-from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
+from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
 from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "kv_oom_start"
@@ -102,6 +102,7 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
         },
         fix=Fix(kind=FixKind.RESTART, action="restart_engine", params=params,
                 description=f"restart with {change} so that max_num_seqs requests of max_model_len fit within "
-                            f"{settings.max_overcommit:g}× the pool ({alternatives})"),
-        verification=Verification(evidence_key="overcommit", better="lower", min_change=0.1),
+                            f"{settings.max_overcommit:g}× the pool ({alternatives})",
+                # The configuration is what changes: the restarted engine's overcommit, 10% lower at least.
+                objectives=[Objective(measure="overcommit", better="lower", min_effect=0.1)]),
     )]

@@ -15,11 +15,14 @@ from pydantic import Field
 
 from kvops.rules.common import PrefixCacheRuleSettings, cache_lookups, covered_steady_span, diagnosis, fresh_latest
 from kvops.schema.admin import SET_PREFIX_CACHING
-from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
+from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
 from kvops.schema.snapshot import Snapshot
 from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "prefix_caching_off"
+# The hit rate before is 0 (caching off), so the objective's effect is absolute: 5 points of prompt tokens
+# served from cache. A relative one from 0 means nothing.
+OBJECTIVES = [Objective(measure="hit_rate", better="higher", min_effect=0.05)]
 TITLE = "Prefix caching is off on a shared-prefix workload"
 DESCRIPTION = "prefix caching is disabled while a shadow cache measures a high hit rate it would have had"
 
@@ -60,9 +63,7 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
             "window_s": round(span, 1),
         },
         fix=SET_PREFIX_CACHING.fix({"enabled": True}, f"enable prefix caching: the shadow cache measured a "
-                                                      f"{potential_hit_rate:.0%} hit rate"),
-        # From 0 any rise counts (the verifier takes the absolute change when the value before is 0).
-        verification=Verification(evidence_key="hit_rate", better="higher", min_change=0.0),
+                                                      f"{potential_hit_rate:.0%} hit rate", OBJECTIVES),
     )]
 
 
@@ -79,6 +80,6 @@ def _unmeasured(history: EngineHistory, settings: Settings, latest: Snapshot, sp
         {"enable_prefix_caching": False, "prompt_tokens": int(prompt_tokens), "potential_hit_rate": None,
          "hit_rate": 0.0, "window_s": round(span, 1)},
         fix=Fix(kind=FixKind.RESTART, action="restart_engine", params={"enable_prefix_caching": True},
-                description=f"restart with {flag}: shared prompt prefixes are then prefilled once"),
-        verification=Verification(evidence_key="hit_rate", better="higher", min_change=0.0),
+                description=f"restart with {flag}: shared prompt prefixes are then prefilled once",
+                objectives=OBJECTIVES),
     )]

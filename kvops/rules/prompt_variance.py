@@ -19,7 +19,7 @@ from pydantic import Field
 from kvops.rules.common import PrefixCacheRuleSettings, cache_lookups, covered_steady_span, diagnosis, fresh_latest
 from kvops.rules.no_prefix_hits import NEAR_ZERO_HIT_RATE
 from kvops.schema.admin import SET_NORMALIZATION
-from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity, Verification
+from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
 from kvops.schema.snapshot import Snapshot
 from kvops.supervisor.history import EngineHistory
 
@@ -81,8 +81,9 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
                 "window_s": round(span, 1),
             },
             fix=SET_NORMALIZATION.fix({"mode": "on"}, f"turn prompt normalization on: the shadow cache measured a "
-                                                      f"{shadow_hit_rate:.0%} hit rate against {hit_rate:.0%}"),
-            verification=Verification(evidence_key="hit_rate", better="higher", min_change=settings.verify_min_change),
+                                                      f"{shadow_hit_rate:.0%} hit rate against {hit_rate:.0%}",
+                                  [Objective(measure="hit_rate", better="higher",
+                                             min_effect=settings.verify_min_change)]),
         )]
 
     if mode != "off" or not settings.suggest_shadow or hit_rate is None:
@@ -96,7 +97,7 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
     summary = f"the prefix cache hits {hit_rate:.0%} of {queries:.0f} prompt tokens over {requests:.0f} requests"
     if latest.source == "kvops":
         summary += ": measure whether normalization would help"
-        # Shadow mode changes nothing served; it only measures. No verification: it is not a fix.
+        # Shadow mode changes nothing served; it only measures. No objective: it is not a fix.
         measure = SET_NORMALIZATION.fix({"mode": "shadow"}, "switch prompt normalization to shadow mode to measure "
                                                             "the hit rate it would give")
     else:

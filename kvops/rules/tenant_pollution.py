@@ -26,7 +26,7 @@ from kvops.rules.common import (
     run_span,
 )
 from kvops.schema.admin import SET_TENANT_QUOTA
-from kvops.schema.diagnosis import Diagnosis, Severity, Verification
+from kvops.schema.diagnosis import Diagnosis, Objective, Severity
 from kvops.schema.snapshot import Snapshot
 from kvops.supervisor.history import EngineHistory, Getter
 
@@ -50,7 +50,7 @@ class Settings(WindowRuleSettings):
                                                                 "period for its hit rate to count")
     quota_pool_share: float = Field(0.25, gt=0, le=1, description="the proposed quota is at most this share of the "
                                                                   "pool (and at least one max_model_len request)")
-    verify_min_change: float = Field(0.5, ge=0, description="relative fall of the victims' eviction rate that counts")
+    verify_min_change: float = Field(0.5, ge=0, description="relative fall of the tenant's eviction rate that counts")
 
 
 def _tenant(field: str, tenants: tuple[str, ...]) -> Getter:
@@ -135,7 +135,11 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
         fix = None if quota is None else SET_TENANT_QUOTA.fix(
             {"tenant": tenant, "quota_blocks": quota},
             f"cap tenant {tenant!r} at {quota} blocks (it owns {stats.blocks_owned}, its live sequences held at most "
-            f"{peak_held}): its allocations then evict its own unreused blocks first")
+            f"{peak_held}): its allocations then evict its own unreused blocks first",
+            # The others' hit rate must recover (by the default 10%) and the tenant evict less of theirs.
+            [Objective(measure="victims_hit_rate", better="higher", subject=tenant),
+             Objective(measure="evictions_caused_per_s", better="lower", min_effect=settings.verify_min_change,
+                       subject=tenant)])
         summary = (f"tenant {tenant!r} caused {caused:.0f} evictions of other tenants' blocks in {elapsed:.0f} s "
                    f"with a {own_hit_rate:.0%} hit rate of its own; victims ({', '.join(victims)}) lost "
                    f"{drop or 0:.0%} hit rate")
@@ -163,7 +167,5 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
                 "window_s": round(elapsed, 1),
             },
             fix=fix, subject=tenant,
-            verification=Verification(evidence_key="victim_evictions_suffered_per_s", better="lower",
-                                      min_change=settings.verify_min_change),
         ))
     return diagnoses

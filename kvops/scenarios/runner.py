@@ -73,8 +73,10 @@ class ScenarioContext:
         if restart:
             engine["restart"] = restart
         self.config = parse_config({
+            # Short windows to keep scenarios short: fixes are judged on 10 s before and after, with at least
+            # 10 requests in each (the defaults: 60 s and 20).
             "supervisor": {"state_dir": str(state), "poll_interval_s": 0.5, "verify_after_s": 10,
-                           "alert_warmup_s": 0, **(supervisor or {})},
+                           "alert_warmup_s": 0, "judge": {"min_traffic": 10}, **(supervisor or {})},
             "engines": [engine],
             "rules": rules or {},
         }, "scenario")

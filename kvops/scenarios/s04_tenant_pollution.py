@@ -42,7 +42,7 @@ def run() -> ScenarioResult:
             diagnosis, result.diagnosed_at_s = ctx.wait_diagnosis(NAME, 90)
             result.detection_s = round(result.diagnosed_at_s - result.signal_at_s, 2)
             result.evidence = dict(diagnosis.evidence)
-            applied, result.fix_applied_at_s = ctx.wait_audit(NAME, ("applied", "failed"), 30)
+            applied, result.fix_applied_at_s = ctx.wait_audit(NAME, ("verifying", "failed"), 30)
             verdict, result.verified_at_s = ctx.wait_audit(NAME, ("verified", "rolled_back", "failed"), 90)
             result.time_to_verified_fix_s = round(result.verified_at_s - result.signal_at_s, 2)
             fixed_at = time.time()
@@ -56,7 +56,7 @@ def run() -> ScenarioResult:
         result.check("the polluter is named", diagnosis.subject == "audit-log", diagnosis.subject)
         result.check("the victims are named", all(v in str(diagnosis.evidence) for v in VICTIMS),
                      str(diagnosis.evidence)[:300])
-        result.check("a quota was applied to the polluter", applied.action == "applied" and
+        result.check("a quota was applied to the polluter", applied.action == "verifying" and
                      applied.fix is not None and applied.fix.params.get("tenant") == "audit-log",
                      str(applied.after))
         result.check("the fix was verified", verdict.action == "verified", verdict.message)

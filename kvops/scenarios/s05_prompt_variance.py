@@ -21,8 +21,10 @@ def run() -> ScenarioResult:
     result = ScenarioResult(name=NAME, title=TITLE, metric="prefix-cache hit rate",
                             command="kvops scenario run prompt_variance")
     args = {"kv_cache_memory": "64MiB", "max_model_len": 1024, "normalize_prompts": "shadow"}
+    # A 20 s window: the rule decides on 10 s or more of traffic, so the fix (applied at once, policy auto) has
+    # a before-window with requests in it to be judged against.
     rules = {"prompt_variance": {"policy": "auto",
-                                 "settings": {"window_s": 10, "min_queried_tokens": 1000, "min_samples": 3}}}
+                                 "settings": {"window_s": 20, "min_queried_tokens": 1000, "min_samples": 3}}}
     with ScenarioContext(args, rules=rules) as ctx:
         noisy = start_load(ctx.url, _load(seed=1, duration_s=90))
         result.signal_at_s = ctx.wait_signal(
@@ -33,7 +35,7 @@ def run() -> ScenarioResult:
         result.detection_s = round(result.diagnosed_at_s - result.signal_at_s, 2)
         result.evidence = dict(diagnosis.evidence)
         predicted = float(diagnosis.evidence["shadow_hit_rate"])
-        applied, result.fix_applied_at_s = ctx.wait_audit(NAME, ("applied", "failed"), 30)
+        applied, result.fix_applied_at_s = ctx.wait_audit(NAME, ("verifying", "failed"), 30)
         noisy.stop()
         noisy.join()
         after = start_load(ctx.url, _load(seed=2, duration_s=20)).join()
@@ -44,7 +46,7 @@ def run() -> ScenarioResult:
         result.audit = [e.model_dump(mode="json") for e in ctx.audit(NAME)]
         result.check("shadow predicts a much higher hit rate", predicted - result.before >= 0.15,
                      f"real {result.before:.2f}, predicted {predicted:.2f}")
-        result.check("normalization switched on automatically", applied.action == "applied" and
+        result.check("normalization switched on automatically", applied.action == "verifying" and
                      applied.after == {"normalize_prompts": "on"}, str(applied.after))
         result.check("the fix was verified", verdict.action == "verified", verdict.message)
         result.check("measured hit rate reaches 90% of the prediction", result.after >= 0.9 * predicted,

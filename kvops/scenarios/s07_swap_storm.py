@@ -34,11 +34,11 @@ def run() -> ScenarioResult:
             result.detection_s = round(result.diagnosed_at_s - result.signal_at_s, 2)
             result.evidence = dict(diagnosis.evidence)
             result.before = float(diagnosis.evidence["swap_rate"])
-            applied, result.fix_applied_at_s = ctx.wait_audit(NAME, ("applied", "failed"), 60)
+            applied, result.fix_applied_at_s = ctx.wait_audit(NAME, ("verifying", "failed"), 60)
             # The first cap is sized before any long request has finished and may be too loose: it is
             # rolled back, and the rule, sizing again from finished requests, proposes a tighter one.
             verdict, result.verified_at_s = ctx.wait_audit(NAME, ("verified",), 240)
-            applied = [e for e in ctx.audit(NAME) if e.action == "applied"][-1]
+            applied = [e for e in ctx.audit(NAME) if e.action == "verifying"][-1]
             result.time_to_verified_fix_s = round(result.verified_at_s - result.signal_at_s, 2)
             time.sleep(15)
             latest = ctx.latest
@@ -48,9 +48,9 @@ def run() -> ScenarioResult:
             load.join()
         result.audit = [e.model_dump(mode="json") for e in ctx.audit(NAME)]
         result.check("a concurrency cap or a bigger budget was applied by a managed restart",
-                     applied.action == "applied" and bool(applied.after), applied.message or str(applied.after))
+                     applied.action == "verifying" and bool(applied.after), applied.message or str(applied.after))
         result.check("the fix was verified", verdict.action == "verified", verdict.message)
-        attempts = sum(1 for e in ctx.audit(NAME) if e.action == "applied")
+        attempts = sum(1 for e in ctx.audit(NAME) if e.action == "verifying")
         result.evidence["fix_attempts"] = attempts
         result.check("the swap rate is under its threshold", result.after is not None and result.after < THRESHOLD,
                      f"swap rate {result.before} -> {result.after}")

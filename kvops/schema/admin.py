@@ -16,13 +16,13 @@ both sides can import it.
 from __future__ import annotations
 
 import string
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, Field
 
-from kvops.schema.diagnosis import Fix, FixKind
+from kvops.schema.diagnosis import Fix, FixKind, Objective
 
 # ---------------------------------------------------------------- request bodies
 
@@ -106,9 +106,10 @@ class AdminAction:
         anything is sent (pydantic's ValidationError is a ValueError)."""
         return self.body.model_validate(dict(params)).model_dump(mode="json", exclude_unset=True)
 
-    def fix(self, params: dict[str, Any], description: str) -> Fix:
-        """The Fix a rule proposes for this action."""
-        return Fix(kind=FixKind.ADMIN, action=self.name, params=params, description=description)
+    def fix(self, params: dict[str, Any], description: str, objectives: Sequence[Objective] = ()) -> Fix:
+        """The Fix a rule proposes for this action, with what it must move to be kept."""
+        return Fix(kind=FixKind.ADMIN, action=self.name, params=params, description=description,
+                   objectives=list(objectives))
 
 
 SET_NORMALIZATION = AdminAction(

@@ -8,8 +8,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from kvops.schema.diagnosis import Fix
+from kvops.schema.verdict import Verdict
 
-Action = Literal["proposed", "applied", "verified", "rolled_back", "failed", "reverted"]
+# A fix's steps. `queued` / `applying` / `verifying`: its job's progress; `verified` (kept: improved, or
+# inconclusive and kept by policy), `rolled_back` (no effect, worse, inconclusive), `failed` (the change
+# or the engine failed: back on the last good settings), `reverted` (by request).
+Action = Literal["proposed", "queued", "applying", "applied", "verifying", "verified", "rolled_back", "failed",
+                 "reverted"]
 
 
 class AuditEntry(BaseModel):
@@ -25,3 +30,4 @@ class AuditEntry(BaseModel):
     evidence_before: dict[str, Any] = Field(default_factory=dict)
     evidence_after: dict[str, Any] = Field(default_factory=dict)
     message: str = ""
+    verdict: Verdict | None = None  # on verified / rolled_back / failed: the numbers behind the decision

@@ -26,6 +26,16 @@ class FixKind(enum.StrEnum):
     REPORT = "report"  # nothing kvops can change itself: the fix text is advice for a person
 
 
+class Objective(BaseModel):
+    """What a fix must move, measured on the engine's snapshots (a measure of kvops.supervisor.measures) over
+    equal windows before and after the fix: which way, and the smallest effect that counts."""
+
+    measure: str  # a key of kvops.supervisor.measures.MEASURES, e.g. "hit_rate", "preemptions_per_s"
+    better: Literal["lower", "higher"]
+    min_effect: float = Field(0.1, ge=0)  # relative to the value before (0.1 = 10%); absolute when that is 0
+    subject: str = ""  # whose measure, for per-tenant ones (e.g. the tenant polluting the others' cache)
+
+
 class Fix(BaseModel):
     """What to change. `action` names an admin call or the engine settings to restart with."""
 
@@ -34,14 +44,10 @@ class Fix(BaseModel):
     # restart: restart_engine; report: advice
     params: dict[str, Any] = Field(default_factory=dict)  # e.g. {"mode": "on"}, {"block_size": 32}
     description: str  # one sentence a person can act on, with the numbers
-
-
-class Verification(BaseModel):
-    """How to tell whether the fix helped: which evidence value must move, and which way."""
-
-    evidence_key: str
-    better: Literal["lower", "higher"]
-    min_change: float = 0.0  # relative change required to count as help (0.1 = 10%)
+    # What it must move for kvops to keep it: every objective must improve (and the guards of
+    # kvops.supervisor.judge must hold). Empty for a report, or a change kvops cannot measure (then kept
+    # or rolled back by policy, with a note).
+    objectives: list[Objective] = Field(default_factory=list)
 
 
 class Diagnosis(BaseModel):
@@ -53,7 +59,6 @@ class Diagnosis(BaseModel):
     summary: str  # one line with the numbers, e.g. "free blocks run out in 42 s at the current rate"
     evidence: dict[str, float | int | str | bool | None]
     fix: Fix | None = None
-    verification: Verification | None = None
 
     @property
     def key(self) -> tuple[str, str, str]:

@@ -10,8 +10,14 @@ GET  /api/prometheus/targets                  every engine as a Prometheus HTTP 
 GET  /api/diagnoses                           active diagnoses, all engines
 GET  /api/alerts                              pending and firing alerts
 GET  /api/audit                               the fix audit log
-POST /api/fixes/apply                         {"engine", "rule", "subject"}: apply a proposed fix (admin token)
-POST /api/fixes/{id}/revert                   undo an applied fix awaiting its verdict (admin token)
+GET  /api/fixes                               fix jobs, pending and the last finished, oldest first: id (its queued
+                                              audit entry), engine, rule, subject, fix, state (queued, applying,
+                                              verifying, reverting, verified, rolled_back, failed, reverted),
+                                              progress ("verifying 40/60 s"), times, windows, settings, verdict
+POST /api/fixes/apply                         {"engine", "rule", "subject"}: queue a proposed fix (admin token);
+                                              answers its `queued` audit entry, the job runs in the background
+POST /api/fixes/{id}/revert                   undo a fix (any of its audit ids) verifying or kept (admin token);
+                                              503 when the engine is unreachable: kvops retries the undo itself
 POST /api/engines/{name}/resume               restart a managed engine stopped in a crash loop (admin token)
 """
 
@@ -29,7 +35,7 @@ from pydantic import BaseModel
 from kvops.schema.audit import AuditEntry
 from kvops.schema.engines import EngineEntry
 from kvops.supervisor import exporter
-from kvops.supervisor.fixes import FixError
+from kvops.supervisor.fixes import FixError, RevertPending
 from kvops.supervisor.managed_engine import LOG_TAIL_LINES, ManagedEngine
 
 if TYPE_CHECKING:
@@ -88,6 +94,8 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
         """Run a fix step; a FixError (the reason it cannot be done) is the refusal's message."""
         try:
             entry = step()
+        except RevertPending as exc:  # not a refusal: accepted, and retried in the background
+            raise Refusal(503, str(exc)) from None
         except FixError as exc:
             raise Refusal(status_if_refused, str(exc)) from None
         return JSONResponse(entry.model_dump(mode="json"))
@@ -168,6 +176,10 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
     async def audit() -> list[dict[str, Any]]:
         return sup.fixes.snapshot()
 
+    @app.get("/api/fixes")
+    async def fixes() -> list[dict[str, Any]]:
+        return sup.fixes.job_views()
+
     @app.post("/api/fixes/apply")
     def apply_fix(body: ApplyFixBody, authorization: str | None = Header(default=None)) -> JSONResponse:
         require_admin(authorization)
@@ -175,7 +187,7 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
         match = next((d for d in state.diagnoses if d.rule == body.rule and d.subject == body.subject), None)
         if match is None:
             raise Refusal(404, f"no active diagnosis {body.rule!r} (subject {body.subject!r}) on {body.engine!r}")
-        return fix_step(lambda: sup.fixes.apply(match, state.client, state.managed), 409)
+        return fix_step(lambda: sup.fixes.apply(match), 409)
 
     @app.post("/api/fixes/{entry_id}/revert")
     def revert_fix(entry_id: int, authorization: str | None = Header(default=None)) -> JSONResponse:

@@ -7,6 +7,7 @@ kvops.schema.audit.AuditEntry; what the steps mean is kvops.supervisor.fixes's b
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections import deque
 from pathlib import Path
@@ -42,6 +43,8 @@ class AuditLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("a") as file:
                 file.write(entry.model_dump_json() + "\n")
+                file.flush()
+                os.fsync(file.fileno())  # a verdict recorded is a verdict kept, even if the machine dies next
         log.info(f"fix {entry.action}", engine=entry.engine, rule=entry.rule, subject=entry.subject,
                  fix=entry.fix.description if entry.fix else None, before=entry.before, after=entry.after,
                  evidence_before=entry.evidence_before, evidence_after=entry.evidence_after, message=entry.message)

@@ -23,6 +23,7 @@ from kvops.engine.config import EngineConfig
 from kvops.engine.errors import ConfigError
 from kvops.rules import RULES
 from kvops.schema.kinds import WatchKind
+from kvops.supervisor.judge import JudgeSettings
 from kvops.vllm.flags import check_args as check_vllm_args
 
 # The kinds kvops starts itself ("auto" is a kvops engine when managed), how their [engines.args] are checked,
@@ -134,7 +135,11 @@ class SupervisorSettings(_Strict):
     listen: str = "127.0.0.1:9400"
     state_dir: str = Field(default_factory=lambda: platformdirs.user_state_dir("kvops"))
     poll_interval_s: float = Field(0.5, gt=0, le=60)
-    verify_after_s: float = Field(60.0, gt=0)  # how long a fix runs before it is judged
+    verify_after_s: float = Field(60.0, gt=0)  # the judge's windows: this long before a fix, and after it took effect
+    fix_cooldown_s: float = Field(600.0, ge=0)  # after a fix job ends, no other fix for the same (rule, subject)
+    inconclusive: Literal["rollback", "keep"] = "rollback"  # a fix that cannot be judged, even after one extension
+    revert_retry_s: float = Field(10.0, gt=0)  # an undo that cannot reach the engine is retried this often
+    judge: JudgeSettings = Field(default_factory=JudgeSettings)  # [supervisor.judge]: traffic and noise bounds
     alert_warmup_s: float = Field(30.0, ge=0)  # after start, rules gather data before alerts are evaluated
     admin_token_env: str = "KVOPS_ADMIN_TOKEN"  # the supervisor API's token for applying or reverting fixes
     external_url: str | None = None  # how people reach this supervisor (alert links); default http://listen

@@ -27,7 +27,7 @@ from kvops.schema.snapshot import Snapshot
 if TYPE_CHECKING:
     from kvops.supervisor.supervisor import EngineState, Supervisor
 
-FIX_OUTCOMES = ("proposed", "applied", "verified", "rolled_back", "reverted", "failed")
+FIX_OUTCOMES = ("proposed", "queued", "applying", "verifying", "verified", "rolled_back", "reverted", "failed")
 ENGINE_LABELS = ["engine", "kind"]
 
 
@@ -146,11 +146,21 @@ class SupervisorCollector(Collector):
             severities.add_metric([severity.value], sum(1 for d in sup.diagnoses if d.severity is severity))
         yield severities
 
-        fixes = CounterMetricFamily("kvops_fixes", "Fix actions by outcome: proposed, applied, verified, "
-                                    "rolled_back, reverted, failed.", labels=["engine", "rule", "outcome"])
+        fixes = CounterMetricFamily("kvops_fixes", "Fix steps by outcome: proposed, queued, applying, verifying, "
+                                    "verified, rolled_back, reverted, failed.", labels=["engine", "rule", "outcome"])
         for (engine, rule, outcome), count in sorted(sup.fixes.counts.items()):
             fixes.add_metric([engine, rule, outcome], count)
         yield fixes
+        jobs = GaugeMetricFamily("kvops_fix_jobs", "Fix jobs by state (queued, applying, verifying, reverting; "
+                                 "the finished ones GET /api/fixes keeps count under their outcome).",
+                                 labels=["engine", "rule", "state"])
+        by_state: dict[tuple[str, str, str], int] = {}
+        for job in sup.fixes.job_views():
+            key = (job["engine"], job["rule"], job["state"])
+            by_state[key] = by_state.get(key, 0) + 1
+        for key, count in sorted(by_state.items()):
+            jobs.add_metric(list(key), count)
+        yield jobs
 
         stats = sup.alerter.stats()
         deliveries = CounterMetricFamily("kvops_alert_deliveries", "Alert notifications delivered (2xx).",

@@ -1,42 +1,40 @@
-"""Fixes: applied by policy, verified against the evidence, rolled back when they did not help.
+"""Fixes: decided by policy on the poll loop, run as jobs off it, judged by their outcome, undone when they
+did not help.
 
-Per rule the policy is `off` (ignore), `suggest` (record the proposal; a person applies it
-through the supervisor API) or `auto`. An admin fix changes a live knob through the engine's
-admin API; a restart fix restarts a managed engine with changed settings (drained first). After
-`verify_after_s` the diagnosis's evidence is compared with its value when the fix was applied:
-if it moved the right way (or the diagnosis is gone), the fix is kept; otherwise the previous
-setting is restored. Every step goes to the audit log (kvops.supervisor.audit), with before and
-after values. What an admin action reads, sends and restores is kvops.schema.admin's table.
+Per rule the policy is `off` (ignore), `suggest` (record the proposal; a person applies it through the
+supervisor API) or `auto`. `consider` (the poll loop) only decides and enqueues: the job itself — the admin
+call or the managed restart, the windows, the verdict, the rollback — runs on the engine's worker thread
+(kvops.supervisor.fix_jobs), one job per engine at a time, then a cool-down per (rule, subject). Pending jobs
+and each managed engine's last good settings are persisted (kvops.supervisor.fix_state) and resumed after a
+supervisor restart. Every step goes to the audit log (kvops.supervisor.audit) with its numbers.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvops.schema.admin import ADMIN_ACTIONS
 from kvops.schema.audit import AuditEntry
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind
+from kvops.schema.verdict import Verdict
 from kvops.supervisor.audit import AuditLog
-from kvops.supervisor.engine_client import EngineClient, EngineUnreachable
-from kvops.supervisor.managed_engine import ManagedEngine
+from kvops.supervisor.engine_client import EngineUnreachable
+from kvops.supervisor.fix_jobs import FixError, JobRunner, Judge, Target, real_judge
+from kvops.supervisor.fix_state import PENDING, FixJob, FixStateFile, FixStateStore, LastGood
+
+__all__ = ["FixError", "FixManager", "RevertPending", "Target"]
+
+DONE_KEPT = 50  # finished jobs kept for GET /api/fixes
 
 
-@dataclass
-class AppliedFix:
-    entry: AuditEntry  # the "applied" entry
-    diagnosis: Diagnosis
-    undo: Callable[[], dict[str, Any]]  # restores the previous setting; returns it
-    verify_at: float
-
-
-class FixError(Exception):
-    pass
+class RevertPending(FixError):
+    """The undo could not reach the engine: it is retried in the background (HTTP 503)."""
 
 
 def _same_change(a: Fix | None, b: Fix | None) -> bool:
@@ -44,162 +42,245 @@ def _same_change(a: Fix | None, b: Fix | None) -> bool:
     return a is not None and b is not None and (a.kind, a.action, a.params) == (b.kind, b.action, b.params)
 
 
-class FixManager:
-    def __init__(self, audit: AuditLog, verify_after_s: float, clock: Callable[[], float] = time.time) -> None:
+class FixManager(JobRunner):
+    def __init__(self, audit: AuditLog, targets: Callable[[str], Target], verify_after_s: float,
+                 state_path: Path | None = None, cooldown_s: float = 600.0, inconclusive: str = "rollback",
+                 revert_retry_s: float = 10.0, judge: Judge = real_judge,
+                 clock: Callable[[], float] = time.time) -> None:
         self.audit = audit
+        self.targets = targets
         self.verify_after_s = verify_after_s
+        self.cooldown_s = cooldown_s
+        self.inconclusive = inconclusive
+        self.revert_retry_s = revert_retry_s
+        self.judge = judge
         self.clock = clock
-        self.in_flight: dict[tuple[str, str, str], AppliedFix] = {}  # diagnosis key -> fix awaiting its verdict
+        self.store = FixStateStore(state_path)
+        self.jobs: dict[int, FixJob] = {}  # pending ones, and the last DONE_KEPT finished
+        self.done: deque[int] = deque()
         self.proposed: set[tuple[str, str, str]] = set()  # suggestions already recorded (until resolved)
         # Judged fixes, until their diagnosis resolves: a kept fix is not applied again and a rolled-back
-        # one is not retried in a loop. A different fix for the same diagnosis (the rule sized it anew
-        # from more data, or escalates) may still be tried.
+        # one is not retried in a loop. A different fix for the same diagnosis may still be tried, after the cool-down.
         self.settled: dict[tuple[str, str, str], Fix] = {}
+        self.cooldown_until: dict[tuple[str, str, str], float] = {}
         self.counts: dict[tuple[str, str, str], int] = {}  # (engine, rule, action) -> how many
+        self.good: dict[str, LastGood] = {}
         self._lock = threading.RLock()
+        self._queues: dict[str, deque[FixJob]] = {}
+        self._workers: dict[str, threading.Thread] = {}
+        self._engine_locks: dict[str, threading.Lock] = {}
+        self._stop = threading.Event()
+
+    # ---------------------------------------------------------- lifecycle
+
+    def resume(self, managed_args: dict[str, tuple[dict[str, Any], Callable[[dict[str, Any]], None]]]) -> None:
+        """Before the managed engines start: load fix_jobs.json, put each managed engine on its last good settings
+        (or on a verifying restart fix's), and queue the pending jobs again. `managed_args`: engine -> (its
+        configured args, a setter for the args it starts with)."""
+        state = self.store.load()
+        for engine, (configured, set_args) in managed_args.items():
+            good = state.last_good.get(engine)
+            if good is not None and good.config == configured:  # a changed config wins over what kvops chose
+                self.good[engine] = good
+                set_args(dict(good.args))
+        for job in state.jobs:
+            managed = job.engine in managed_args
+            if job.state == "applying":  # caught mid-change: back to the last good settings
+                if managed:  # the engine restarted with the supervisor, on the last good settings
+                    self._adopt(job)
+                    self.end(job, "failed", "interrupted while applying (the supervisor restarted): the engine "
+                             "started again on its last good settings")
+                    continue
+                job.state, job.undo_action = "reverting", "failed"
+                job.message = "interrupted while applying (the supervisor restarted)"
+            elif job.state == "verifying" and managed:
+                job.reapply = True  # the engine restarted with the supervisor: re-establish, then a fresh window
+                if job.fix.kind is FixKind.RESTART:
+                    managed_args[job.engine][1](dict(job.after))
+            elif job.state == "reverting" and managed and job.fix.kind is FixKind.RESTART:
+                managed_args[job.engine][1](dict(self.last_good(job.engine) or job.before))
+            self._adopt(job)
+            self._queues.setdefault(job.engine, deque()).append(job)
+        self.save()
+
+    def _adopt(self, job: FixJob) -> None:
+        self.jobs[job.id] = job
+        self._engine_locks.setdefault(job.engine, threading.Lock())
+
+    def start(self) -> None:
+        for engine in list(self._queues):
+            self.wake(engine)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Workers stop at their next tick; a restart in progress finishes first (joined up to the timeout)."""
+        self._stop.set()
+        for worker in list(self._workers.values()):
+            worker.join(timeout=timeout_s)
+
+    # -------------------------------------------------------------- policy
+
+    def consider(self, diagnoses: list[Diagnosis], policy: Callable[[str], str]) -> None:
+        """One evaluation's diagnoses: propose, or enqueue by policy. Never waits for a fix."""
+        with self._lock:
+            active = {d.key: d for d in diagnoses}
+            self.proposed &= set(active)  # a resolved diagnosis may be proposed again if it comes back
+            self.settled = {key: fix for key, fix in self.settled.items() if key in active}
+            now = self.clock()
+            for diagnosis in diagnoses:
+                rule_policy = policy(diagnosis.rule)
+                if (diagnosis.fix is None or rule_policy == "off" or self._pending_for(diagnosis.engine, diagnosis.key)
+                        or _same_change(self.settled.get(diagnosis.key), diagnosis.fix)):
+                    continue
+                if rule_policy == "auto" and diagnosis.fix.kind is not FixKind.REPORT:
+                    if self._pending_for(diagnosis.engine) or self.cooldown_until.get(diagnosis.key, 0.0) > now:
+                        continue  # one job per engine, or the verdicts get mixed up; then a cool-down
+                    try:
+                        self.apply(diagnosis)
+                    except FixError:
+                        self.settled[diagnosis.key] = diagnosis.fix  # recorded as failed: not retried every poll
+                elif diagnosis.key not in self.proposed:
+                    self.proposed.add(diagnosis.key)
+                    self._count(self.audit.record(engine=diagnosis.engine, rule=diagnosis.rule,
+                                                  subject=diagnosis.subject, action="proposed", fix=diagnosis.fix,
+                                                  evidence_before=dict(diagnosis.evidence)))
+
+    def _pending_for(self, engine: str, key: tuple[str, str, str] | None = None) -> bool:
+        return any(j.state in PENDING and j.engine == engine and (key is None or j.key == key)
+                   for j in self.jobs.values())
+
+    def apply(self, diagnosis: Diagnosis) -> AuditEntry:
+        """Queue a diagnosis's fix (policy auto, or a person through the API); returns the `queued` entry.
+        FixError (recorded as failed) when kvops cannot apply it at all, or the engine has a job running."""
+        fix = diagnosis.fix
+        common = {"engine": diagnosis.engine, "rule": diagnosis.rule, "subject": diagnosis.subject, "fix": fix,
+                  "evidence_before": dict(diagnosis.evidence)}
+        with self._lock:
+            if self._pending_for(diagnosis.engine):
+                raise FixError(f"engine {diagnosis.engine!r} has a fix job running: one at a time (GET /api/fixes)")
+            problem = self._cannot_apply(diagnosis)
+            if problem:
+                self._count(self.audit.record(action="failed", message=problem, **common))
+                raise FixError(problem)
+            entry = self._count(self.audit.record(action="queued", message=fix.description, **common))  # type: ignore[union-attr]
+            job = FixJob(id=entry.id, engine=diagnosis.engine, rule=diagnosis.rule, subject=diagnosis.subject,
+                         fix=fix, evidence_before=dict(diagnosis.evidence), queued_at=self.clock(),  # type: ignore[arg-type]
+                         window_s=self.verify_after_s, entry_ids=[entry.id], message="queued")
+            self._adopt(job)
+            self.proposed.discard(diagnosis.key)
+            self._queues.setdefault(job.engine, deque()).append(job)
+            self.save()
+        self.wake(job.engine)
+        return entry
+
+    def _cannot_apply(self, diagnosis: Diagnosis) -> str:
+        """Why kvops cannot apply this fix at all ("" when it can try): checked before anything is queued."""
+        fix = diagnosis.fix
+        if fix is None or fix.kind is FixKind.REPORT:
+            return f"{diagnosis.rule} proposes no fix kvops can apply"
+        target = self.targets(diagnosis.engine)
+        if fix.kind is FixKind.ADMIN:
+            action = ADMIN_ACTIONS.get(fix.action)
+            if action is None:
+                return f"unknown admin action {fix.action!r}; known: {', '.join(ADMIN_ACTIONS)}"
+            if target.client.admin_token is None:
+                return f"{fix.action} needs the engine's admin token, and none is configured (admin_token_env)"
+            return ""
+        if target.managed is None:
+            return ("this fix restarts the engine with new settings, and kvops does not manage this engine: "
+                    f"apply it by hand ({fix.description})")
+        try:
+            target.managed.settings_with(fix.params)
+        except ValueError as exc:
+            return str(exc)
+        return ""
+
+    # ---------------------------------------------------- job bookkeeping (called by the workers)
+
+    def record(self, job: FixJob, action: str, **fields: Any) -> AuditEntry:
+        with self._lock:
+            fields.setdefault("before", job.before)
+            fields.setdefault("after", job.after)
+            entry = self._count(self.audit.record(engine=job.engine, rule=job.rule, subject=job.subject, action=action,
+                                                  fix=job.fix, evidence_before=job.evidence_before, **fields))
+            job.entry_ids.append(entry.id)
+            self.save()
+            return entry
+
+    def end(self, job: FixJob, state: str, message: str, verdict: Verdict | None = None) -> AuditEntry:
+        with self._lock:
+            job.state, job.message, job.verdict = state, message, verdict  # type: ignore[assignment]
+            job.ended_at, job.phase = self.clock(), ""
+            self.settled[job.key] = job.fix
+            self.cooldown_until[job.key] = job.ended_at + self.cooldown_s
+            self.done.append(job.id)
+            while len(self.done) > DONE_KEPT:
+                self.jobs.pop(self.done.popleft(), None)
+            # A reverted job's "before" is what it undid (its after), as the audit always showed it.
+            undone = state in ("rolled_back", "reverted") or (state == "failed" and job.effective_at is not None)
+            before, after = (job.after, job.before) if undone else (job.before, job.after)
+            return self.record(job, state, message=message, verdict=verdict, before=before, after=after)
+
+    def save(self) -> None:
+        with self._lock:
+            pending = [j for j in self.jobs.values() if j.state in PENDING]
+            self.store.save(FixStateFile(jobs=pending, last_good=self.good))
+
+    def mark_good(self, engine: str, args: dict[str, Any]) -> None:
+        target = self.targets(engine)
+        configured = dict(target.managed.spec.args) if target.managed is not None else {}
+        with self._lock:
+            self.good[engine] = LastGood(config=configured, args=dict(args))
+
+    def last_good(self, engine: str) -> dict[str, Any] | None:
+        good = self.good.get(engine)
+        return dict(good.args) if good is not None else None
 
     def _count(self, entry: AuditEntry) -> AuditEntry:
         key = (entry.engine, entry.rule, entry.action)
         self.counts[key] = self.counts.get(key, 0) + 1
         return entry
 
-    # ----------------------------------------------------------- policy
-
-    def consider(self, diagnoses: list[Diagnosis], policy: Callable[[str], str],
-                 targets: Callable[[str], tuple[EngineClient, ManagedEngine | None]]) -> None:
-        """One evaluation's diagnoses: propose or apply fixes by policy, then judge due fixes."""
-        with self._lock:
-            active = {d.key: d for d in diagnoses}
-            self.proposed &= set(active)  # a resolved diagnosis may be proposed again if it comes back
-            self.settled = {key: fix for key, fix in self.settled.items() if key in active}
-            for diagnosis in diagnoses:
-                rule_policy = policy(diagnosis.rule)
-                if (diagnosis.fix is None or rule_policy == "off" or diagnosis.key in self.in_flight
-                        or _same_change(self.settled.get(diagnosis.key), diagnosis.fix)):
-                    continue
-                if rule_policy == "auto" and diagnosis.fix.kind is not FixKind.REPORT:
-                    if any(f.diagnosis.engine == diagnosis.engine for f in self.in_flight.values()):
-                        continue  # one fix at a time per engine, or the verdicts get mixed up
-                    client, managed = targets(diagnosis.engine)
-                    with contextlib.suppress(FixError):  # recorded as failed in the audit log
-                        self.apply(diagnosis, client, managed)
-                elif diagnosis.key not in self.proposed:
-                    self.proposed.add(diagnosis.key)
-                    self._count(self.audit.record(engine=diagnosis.engine, rule=diagnosis.rule,
-                                                  subject=diagnosis.subject, action="proposed", fix=diagnosis.fix,
-                                                  evidence_before=dict(diagnosis.evidence)))
-            self.verify_due(active)
-
-    # ------------------------------------------------------------ apply
-
-    def apply(self, diagnosis: Diagnosis, client: EngineClient, managed: ManagedEngine | None) -> AuditEntry:
-        fix = diagnosis.fix
-        if fix is None or fix.kind is FixKind.REPORT:
-            raise FixError(f"{diagnosis.rule} proposes no fix kvops can apply")
-        common = {"engine": diagnosis.engine, "rule": diagnosis.rule, "subject": diagnosis.subject, "fix": fix,
-                  "evidence_before": dict(diagnosis.evidence)}
-        try:
-            before, after, undo = self._change(fix, client, managed)
-        except (EngineUnreachable, FixError, KeyError, ValueError) as exc:
-            self._count(self.audit.record(action="failed", message=str(exc), **common))
-            self.settled[diagnosis.key] = fix  # not retried every poll; again once the diagnosis resolves
-            raise FixError(str(exc)) from None
-        entry = self._count(self.audit.record(action="applied", before=before, after=after, **common))
-        self.proposed.discard(diagnosis.key)
-        if diagnosis.verification is None:
-            self.settled[diagnosis.key] = fix
-        else:
-            # After a restart the rules start from an empty window: give them a second one before judging.
-            wait = self.verify_after_s * (2 if fix.kind is FixKind.RESTART else 1)
-            self.in_flight[diagnosis.key] = AppliedFix(entry, diagnosis, undo, self.clock() + wait)
-        return entry
-
-    def _change(self, fix: Fix, client: EngineClient,
-                managed: ManagedEngine | None) -> tuple[dict[str, Any], dict[str, Any], Callable[[], dict[str, Any]]]:
-        if fix.kind is FixKind.ADMIN:
-            action = ADMIN_ACTIONS.get(fix.action)
-            if action is None:
-                raise FixError(f"unknown admin action {fix.action!r}; known: {', '.join(ADMIN_ACTIONS)}")
-            change = action.plan(client.knobs(), fix.params)
-            after = client.admin(action.name, change.params)
-
-            def undo() -> dict[str, Any]:
-                client.admin(action.name, change.undo)
-                return change.before
-
-            # The knobs the action changed as the engine reports them; for a tenant (no top-level knob) what was sent.
-            return change.before, {k: after.get(k) for k in after if k in change.before} or change.params, undo
-        if fix.kind is FixKind.RESTART:
-            if managed is None:
-                raise FixError("this fix restarts the engine with new settings, and kvops does not manage this "
-                               f"engine: apply it by hand ({fix.description})")
-            old_args = dict(managed.args)
-            new_args = managed.settings_with(fix.params)  # kvops setting names as this engine's (e.g. vLLM flags)
-            managed.restart_with(new_args)
-
-            def undo_restart() -> dict[str, Any]:
-                managed.restart_with(old_args)
-                return old_args
-
-            return old_args, new_args, undo_restart
-        raise FixError(f"fix kind {fix.kind.value} cannot be applied")
-
-    # ----------------------------------------------------------- verify
-
-    def verify_due(self, active: dict[tuple[str, str, str], Diagnosis]) -> None:
-        now = self.clock()
-        for key, applied in list(self.in_flight.items()):
-            if now < applied.verify_at:
-                continue
-            del self.in_flight[key]
-            self.settled[key] = applied.diagnosis.fix  # type: ignore[assignment]
-            verdict, message, evidence_after = self._judge(applied, active.get(key))
-            common = {"engine": applied.diagnosis.engine, "rule": applied.diagnosis.rule,
-                      "subject": applied.diagnosis.subject, "fix": applied.diagnosis.fix,
-                      "evidence_before": dict(applied.diagnosis.evidence), "evidence_after": evidence_after}
-            if verdict:
-                self._count(self.audit.record(action="verified", message=message, before=applied.entry.before,
-                                              after=applied.entry.after, **common))
-                continue
-            try:
-                restored = applied.undo()
-            except (EngineUnreachable, FixError) as exc:
-                self._count(self.audit.record(action="failed", message=f"rollback failed: {exc}", **common))
-                continue
-            self._count(self.audit.record(action="rolled_back", message=message, before=applied.entry.after,
-                                          after=restored, **common))
-
-    @staticmethod
-    def _judge(applied: AppliedFix, now: Diagnosis | None) -> tuple[bool, str, dict[str, Any]]:
-        check = applied.diagnosis.verification
-        assert check is not None
-        if now is None:
-            return True, "the diagnosis is gone", {}
-        before = applied.diagnosis.evidence.get(check.evidence_key)
-        after = now.evidence.get(check.evidence_key)
-        if not isinstance(before, int | float) or not isinstance(after, int | float):
-            return False, f"{check.evidence_key} is not measurable ({before!r} -> {after!r})", dict(now.evidence)
-        change = (after - before) / abs(before) if before else (after - before)
-        improved = change < -check.min_change if check.better == "lower" else change > check.min_change
-        direction = "fell" if after < before else "rose"
-        message = (f"{check.evidence_key} {direction} from {before:.4g} to {after:.4g} "
-                   f"({change:+.1%}; {check.better} is better, needed {check.min_change:.0%})")
-        return improved, message, dict(now.evidence)
-
-    # ------------------------------------------------------------ people
+    # -------------------------------------------------------------- people
 
     def revert(self, entry_id: int) -> AuditEntry:
-        """Undo an applied fix on request (through the supervisor API)."""
+        """Undo a fix on request (any of its audit entries' ids): first the undo, then the job is closed — so an
+        undo that fails leaves the job tracked and retried (RevertPending), never dropped with the change in place."""
         with self._lock:
-            for key, applied in list(self.in_flight.items()):
-                if applied.entry.id == entry_id:
-                    del self.in_flight[key]
-                    restored = applied.undo()
-                    return self._count(self.audit.record(
-                        action="reverted", engine=applied.diagnosis.engine, rule=applied.diagnosis.rule,
-                        subject=applied.diagnosis.subject, fix=applied.diagnosis.fix, before=applied.entry.after,
-                        after=restored, message=f"reverted by request (audit entry {entry_id})"))
-            raise FixError(f"no applied fix awaiting verification has audit id {entry_id}")
+            job = next((j for j in self.jobs.values() if entry_id in j.entry_ids), None)
+            if job is None or job.state in ("rolled_back", "failed", "reverted"):
+                raise FixError(f"no applied fix awaiting its verdict or kept has audit id {entry_id}")
+            if job.state == "queued":
+                self._queues.get(job.engine, deque()).remove(job)
+                return self.end(job, "reverted", f"cancelled by request (audit entry {entry_id}) before it was applied")
+            if job.state in ("applying", "reverting"):
+                raise FixError(f"the fix is {job.state} ({job.progress(self.clock())}): revert once it is verifying")
+        with self._engine_locks[job.engine]:  # the worker judges under it: no verdict in the middle of a revert
+            if job.state not in ("verifying", "verified"):
+                raise FixError(f"the fix is {job.state} now: nothing to revert")
+            was_done = job.state == "verified"
+            message = f"reverted by request (audit entry {entry_id})"
+            try:
+                restored = self.undo(job, self.targets(job.engine))
+            except (EngineUnreachable, FixError) as exc:
+                with self._lock:
+                    if was_done:  # the worker let go of it: queue it again for the retries
+                        self.done.remove(job.id)
+                        self._queues.setdefault(job.engine, deque()).append(job)
+                    self.pend_undo(job, "reverted", message)
+                self.wake(job.engine)
+                raise RevertPending(f"could not reach engine {job.engine!r} to revert: {exc}; kvops retries the "
+                                    f"revert every {self.revert_retry_s:g} s (GET /api/fixes, the audit log)") from None
+            with self._lock:
+                if was_done:
+                    self.done.remove(job.id)
+                return self.end(job, "reverted", f"{message}: restored {restored}", job.verdict)
 
     def snapshot(self) -> list[dict[str, Any]]:
         return [json.loads(e.model_dump_json()) for e in self.audit.entries]
+
+    def job_views(self) -> list[dict[str, Any]]:
+        """GET /api/fixes: every pending job and the last finished ones, oldest first."""
+        now = self.clock()
+        with self._lock:
+            return [job.view(now) for job in sorted(self.jobs.values(), key=lambda j: j.id)]
+

@@ -21,6 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 import structlog
@@ -55,7 +56,12 @@ class ManagedEngine:
         self.backoff_s = spec.restart.initial_backoff_s
         self.next_start_at: float | None = None  # when a restart is due
         self.stopping = False
+        # A fix's restart in progress (drain, start, health): the poll loop leaves the engine to it, so it never
+        # waits on this engine's lock and does not count the planned downtime as the engine being down.
+        self.restarting = False
+        self.closed = False  # set when the supervisor shuts down: nothing starts the engine again
         self._readers: list[threading.Thread] = []
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvops-spawn-{spec.name}")
         self._lock = threading.RLock()
 
     @property
@@ -77,13 +83,23 @@ class ManagedEngine:
 
     # ------------------------------------------------------------ lifecycle
 
+    def close(self) -> None:
+        """The supervisor is shutting down: from now on nothing starts this engine again (a fix job's restart
+        or rollback still running on its worker thread included)."""
+        self.closed = True
+
     def start(self) -> None:
         with self._lock:
+            if self.closed:
+                raise EngineUnreachable(f"engine {self.spec.name}: not started, the supervisor is shutting down")
             launch = self.launcher.launch(self.spec, self.port, self.args, self.admin_token)
             self.stderr_tail.clear()
-            self.process = subprocess.Popen(launch.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                            stdin=subprocess.DEVNULL, env=launch.env, cwd=launch.cwd,
-                                            start_new_session=True, preexec_fn=die_with_parent)
+            # Forked from one long-lived thread: PR_SET_PDEATHSIG fires when the *thread* that forked the child
+            # ends, and fix jobs (re)start engines from worker threads that come and go.
+            self.process = self._spawner.submit(
+                subprocess.Popen, launch.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL, env=launch.env, cwd=launch.cwd, start_new_session=True,
+                preexec_fn=die_with_parent).result()
             self.started_at = self.clock()
             self.next_start_at = None
             log.info("engine started", engine=self.spec.name, pid=self.process.pid, url=self.url,
@@ -165,7 +181,7 @@ class ManagedEngine:
             if process is not None and process.poll() is not None:
                 self._on_exit(process, now)
             due = self.next_start_at is not None and now >= self.next_start_at
-            if self.process is None and due and not self.stopping and not self.history.crash_loop:
+            if self.process is None and due and not self.stopping and not self.closed and not self.history.crash_loop:
                 self.history.restarts_total += 1
                 self.start()
             if self.process is not None and now - self.started_at >= self.spec.restart.stable_after_s:
@@ -222,13 +238,17 @@ class ManagedEngine:
         engine does not come up with them, it is started again with the previous settings and
         EngineUnreachable says why (with the engine's last lines)."""
         previous = dict(self.args)
-        self._restart(args)
+        self.restarting = True
         try:
-            self.wait_healthy()
-        except EngineUnreachable as exc:
-            self._note("error", f"did not come up with the new settings; restoring {previous}: {exc}")
-            self._restart(previous)
-            raise EngineUnreachable(f"{exc}; restarted with the previous settings") from None
+            self._restart(args)
+            try:
+                self.wait_healthy()
+            except EngineUnreachable as exc:
+                self._note("error", f"did not come up with the new settings; restoring {previous}: {exc}")
+                self._restart(previous)
+                raise EngineUnreachable(f"{exc}; restarted with the previous settings") from None
+        finally:
+            self.restarting = False
 
     def _restart(self, args: dict[str, Any]) -> None:
         with self._lock:

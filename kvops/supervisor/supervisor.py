@@ -14,6 +14,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 import structlog
 
@@ -25,7 +27,8 @@ from kvops.schema.diagnosis import Diagnosis, Severity
 from kvops.supervisor.audit import AuditLog
 from kvops.supervisor.config import EngineSpec, KvopsConfig
 from kvops.supervisor.engine_client import EngineClient, EngineUnreachable
-from kvops.supervisor.fixes import FixManager
+from kvops.supervisor.fix_jobs import real_judge
+from kvops.supervisor.fixes import FixManager, Target
 from kvops.supervisor.history import EngineHistory, HealthSample, at_start
 from kvops.supervisor.managed_engine import ManagedEngine
 
@@ -73,7 +76,6 @@ class Supervisor:
         settings = config.supervisor
         self.external_url = settings.external_url or f"http://{settings.listen}"
         self.alerter = Alerter(config.alerting, state_dir, self.external_url, clock=clock)
-        self.fixes = FixManager(AuditLog(state_dir / "audit.jsonl"), settings.verify_after_s, clock=clock)
         self.rule_settings = config.rule_settings()
         self.engines: dict[str, EngineState] = {}
         for spec in config.engines:
@@ -86,6 +88,13 @@ class Supervisor:
                 # Any server: kvops engines through /stats, vLLM and SGLang through /metrics (kvops.adapters).
                 state = EngineState(spec, history, WatchedEngineClient(str(spec.url), spec.kind, token))
             self.engines[spec.name] = state
+        self.fixes = FixManager(AuditLog(state_dir / "audit.jsonl"), self._target, settings.verify_after_s,
+                                state_path=state_dir / "fix_jobs.json", cooldown_s=settings.fix_cooldown_s,
+                                inconclusive=settings.inconclusive, revert_retry_s=settings.revert_retry_s,
+                                judge=partial(real_judge, settings=settings.judge), clock=clock)
+        # Before the managed engines start: they start on their last good settings, and pending jobs resume.
+        self.fixes.resume({name: (dict(s.spec.args), partial(_set_args, s.managed))
+                           for name, s in self.engines.items() if s.managed is not None})
         self.diagnoses: list[Diagnosis] = []
         self.polls_total = 0
         self.poll_errors: dict[str, int] = {name: 0 for name in self.engines}
@@ -101,6 +110,7 @@ class Supervisor:
             if state.managed is not None:
                 state.managed.start()
         self.alerter.start()
+        self.fixes.start()
         self._thread.start()
         log.info("supervisor started", engines={s.name: s.url for s in self.engines.values()},
                  listen=self.config.supervisor.listen)
@@ -108,8 +118,12 @@ class Supervisor:
     def stop(self) -> None:
         """Stop polling, drain and stop managed engines, deliver pending alerts."""
         self._stop.set()
+        for state in self.engines.values():
+            if state.managed is not None:
+                state.managed.close()  # a fix job's restart or rollback must not start it behind our back
         if self._thread.is_alive():
             self._thread.join(timeout=30)
+        self.fixes.stop()
         for state in self.engines.values():
             if state.managed is not None:
                 state.managed.stop()
@@ -144,13 +158,16 @@ class Supervisor:
             # the alerts restored from the outbox only to fire them again a minute later.
             if now - self.started_at >= self.config.supervisor.alert_warmup_s:
                 self.alerter.evaluate([d for d in diagnoses if d.severity is not Severity.INFO], now)
-            self.fixes.consider(diagnoses, self.config.policy, self._targets)
+            self.fixes.consider(diagnoses, self.config.policy)  # only enqueues: jobs run on their own threads
             self.polls_total += 1
             self.last_poll_s = time.perf_counter() - started
             return diagnoses
 
     def _poll_engine(self, state: EngineState, now: float) -> None:
         managed = state.managed
+        if managed is not None and managed.restarting:
+            state.last_error = "restarting for a fix"  # the fix's job watches it; the poll loop does not wait for it
+            return
         if managed is not None:
             running = managed.check()
             if managed.process is not state.process_seen:
@@ -197,9 +214,9 @@ class Supervisor:
             log.warning("implausible metrics data", engine=state.name, problem=problem)
         state.data_problems = found
 
-    def _targets(self, engine: str) -> tuple[EngineClient, ManagedEngine | None]:
+    def _target(self, engine: str) -> Target:
         state = self.engines[engine]
-        return state.client, state.managed
+        return Target(state.client, state.managed, state.history)
 
     # --------------------------------------------------------------- probes
 
@@ -231,6 +248,10 @@ class Supervisor:
         finally:
             client.close()
             state.probing = False
+
+
+def _set_args(managed: ManagedEngine, args: dict[str, Any]) -> None:
+    managed.args = args
 
 
 def _env(name: str | None) -> str | None:

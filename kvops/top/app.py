@@ -157,6 +157,7 @@ class KvopsTop(App[None]):
         self._show_engine()
         self.query_one(DiagnosesPanel).show_diagnoses(state.diagnoses)
         self.query_one(AuditPanel).show_audit(state.audit)
+        self.query_one(AuditPanel).show_jobs(state.jobs)
         self.query_one(LogPanel).show_log(self.engine, state.logs)
 
     @property
@@ -253,8 +254,8 @@ class KvopsTop(App[None]):
 
     def action_revert_fix(self) -> None:
         entry = self.query_one(AuditPanel).selected
-        if entry is None or entry.action != "applied":
-            self.notify("select an 'applied' entry in the audit panel to revert", severity="warning")
+        if entry is None or entry.action not in ("applied", "queued", "verifying", "verified"):
+            self.notify("select a queued, verifying or verified fix in the audit panel to revert", severity="warning")
             return
         if self._need_token():
             return

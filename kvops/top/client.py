@@ -46,6 +46,7 @@ _snapshots = TypeAdapter(list[Snapshot])
 _diagnoses = TypeAdapter(list[Diagnosis])
 _audit = TypeAdapter(list[AuditEntry])
 _logs = TypeAdapter(list[LogLine])
+_jobs = TypeAdapter(list[dict[str, Any]])
 
 
 class Source(Protocol):
@@ -59,6 +60,7 @@ class Source(Protocol):
     def history(self, name: str, seconds: float = 60.0) -> list[Snapshot]: ...
     def diagnoses(self) -> list[Diagnosis]: ...
     def audit(self) -> list[AuditEntry]: ...
+    def fixes(self) -> list[dict[str, Any]]: ...
     def logs(self, name: str, lines: int = 100) -> list[LogLine]: ...
     def apply_fix(self, engine: str, rule: str, subject: str = "") -> AuditEntry: ...
     def revert_fix(self, entry_id: int) -> AuditEntry: ...
@@ -129,6 +131,10 @@ class SupervisorClient:
     def audit(self) -> list[AuditEntry]:
         return self._parse(_audit, self._request("GET", "/api/audit"), "/api/audit")
 
+    def fixes(self) -> list[dict[str, Any]]:
+        """GET /api/fixes: the fix jobs (state, progress), as the supervisor's docstring describes them."""
+        return self._parse(_jobs, self._request("GET", "/api/fixes"), "/api/fixes")
+
     def logs(self, name: str, lines: int = 100) -> list[LogLine]:
         body = self._request("GET", f"/api/engines/{name}/logs", params={"lines": lines})
         return self._parse(_logs, body, f"the log of {name!r}")
@@ -157,6 +163,7 @@ class TopState:
     diagnoses: list[Diagnosis]
     audit: list[AuditEntry]
     logs: list[LogLine] = field(default_factory=list)  # the log tail of the engine asked for
+    jobs: list[dict[str, Any]] = field(default_factory=list)  # fix jobs (GET /api/fixes): the running one's progress
     time: float = field(default_factory=time.time)
 
 
@@ -178,7 +185,8 @@ class Poller:
         names = [e.name for e in entries]
         log_engine = log_engine if log_engine in names else (names[0] if names else None)
         logs = self.source.logs(log_engine, log_lines) if log_engine and log_lines > 0 else []
-        return TopState(engines=views, diagnoses=self.source.diagnoses(), audit=self.source.audit(), logs=logs)
+        return TopState(engines=views, diagnoses=self.source.diagnoses(), audit=self.source.audit(), logs=logs,
+                        jobs=self.source.fixes())
 
     def _engine(self, entry: EngineEntry) -> EngineView:
         kept = self._history.get(entry.name)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -19,8 +20,9 @@ from kvops.schema.audit import AuditEntry
 from kvops.schema.diagnosis import Fix
 from kvops.top.widgets.common import Detail, RowTable, TablePanel
 
-AUDIT_COLOURS = {"applied": "yellow", "verified": "green", "rolled_back": "red", "failed": "bold red",
-                 "reverted": "magenta"}
+AUDIT_COLOURS = {"queued": "cyan", "applying": "yellow", "verifying": "yellow", "applied": "yellow",
+                 "verified": "green", "rolled_back": "red", "failed": "bold red", "reverted": "magenta"}
+PENDING_JOBS = ("queued", "applying", "verifying", "reverting")  # a job in one of these shows its progress
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,13 @@ class AuditPanel(TablePanel):
             table_rows.append((str(a.id), (str(a.id), clock(a.time), action, a.engine, a.rule, a.message)))
         self.query_one(RowTable).fill(table_rows)
 
+    def show_jobs(self, jobs: list[dict[str, Any]]) -> None:
+        """The running fix jobs' state and progress on the panel's bottom border, e.g.
+        "prefix_caching_off on gpu-0: verifying 40/60 s"; nothing when none runs."""
+        running = [j for j in jobs if j.get("state") in PENDING_JOBS]
+        self.border_subtitle = "  ·  ".join(
+            f"{j.get('rule')} on {j.get('engine')}: {j.get('progress') or j.get('state')}" for j in running)
+
     def row(self, key: str | None) -> AuditRow | None:
         return next((row for row in self.rows if str(row.latest.id) == key), None)
 
@@ -114,4 +123,9 @@ def audit_detail(a: AuditEntry) -> Text:
                          ("evidence before", a.evidence_before), ("evidence after", a.evidence_after)):
         if value:
             text.append(f"{label}: {value}\n")
+    if a.verdict is not None:
+        text.append(f"verdict: {a.verdict.kind.value}: {a.verdict.message}\n")
+        for change in [*a.verdict.objectives, *a.verdict.guards]:
+            text.append(f"  {change.measure}{' [' + change.subject + ']' if change.subject else ''}: "
+                        f"{change.before} -> {change.after} ({change.better} is better)\n")
     return text
