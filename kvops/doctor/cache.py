@@ -138,10 +138,11 @@ def remedy(diagnosis: Diagnosis, snap: Snapshot) -> str:
     return f"{text} (kvops cannot apply this itself: a {source} server has no kvops admin API)"
 
 
-def _from_diagnosis(title: str, diagnosis: Diagnosis, snap: Snapshot) -> Check:
+def from_diagnosis(title: str, diagnosis: Diagnosis, snap: Snapshot, section: str = SECTION) -> Check:
+    """A diagnosis as a doctor line: its summary, the remedy for this kind of server, its evidence with -v."""
     detail = [f"rule {diagnosis.rule}: {diagnosis.title}"]
     detail.extend(f"{key} = {value}" for key, value in diagnosis.evidence.items())
-    return Check(section=SECTION, title=title, status=SEVERITY_STATUS[diagnosis.severity],
+    return Check(section=section, title=title, status=SEVERITY_STATUS[diagnosis.severity],
                  evidence=diagnosis.summary, remedy=remedy(diagnosis, snap), detail=detail, rule=diagnosis.rule)
 
 
@@ -172,21 +173,21 @@ def cache_checks(snaps: list[Snapshot], kv_profile: KVQuantProfile | None = None
         if diagnosis.rule not in shown:
             capacity = diagnosis.subject == CAPACITY_SUBJECT
             title = f"Block size {latest.engine.block_size} (KV capacity)" if capacity else diagnosis.title
-            checks.append(_from_diagnosis(title, diagnosis, latest))
+            checks.append(from_diagnosis(title, diagnosis, latest))
     return checks
 
 
-def _unknown(title: str, snap: Snapshot, what: str, field: str = "") -> Check:
+def unreported(title: str, snap: Snapshot, what: str, field: str = "", section: str = SECTION) -> Check:
     """A line that could not be checked: what the server lacks, and the metric (with the version or flag that
     provides it) that would make it checkable."""
     needs = missing_metric(snap.source, field) if field else ""
-    return Check(section=SECTION, title=title, status=Status.SKIPPED, evidence=f"{snap.source} does not report {what}",
+    return Check(section=section, title=title, status=Status.SKIPPED, evidence=f"{snap.source} does not report {what}",
                  remedy=f"needs {needs}" if needs else "")
 
 
 def _usage(latest: Snapshot, snaps: list[Snapshot], found: list[Diagnosis], source: str) -> Check:
     if not latest.knows("blocks"):
-        return _unknown("KV cache usage", latest, "KV cache usage", "blocks.usage")
+        return unreported("KV cache usage", latest, "KV cache usage", "blocks.usage")
     usage = latest.blocks.usage
     reclaimable = reclaimable_blocks(latest) / latest.engine.num_blocks if latest.engine.num_blocks else 0.0
     trend = ""
@@ -196,7 +197,7 @@ def _usage(latest: Snapshot, snaps: list[Snapshot], found: list[Diagnosis], sour
     pool = (f" of {latest.engine.num_blocks} blocks" if latest.knows("engine.num_blocks") else "")
     evidence = f"{usage:.1%} in use{pool}, {reclaimable:.1%} reclaimable{trend}"
     if found:
-        check = _from_diagnosis("KV cache usage", found[0], latest)
+        check = from_diagnosis("KV cache usage", found[0], latest)
         check.evidence = f"{found[0].summary} ({evidence})"
         return check
     settings = kv_oom_runtime.Settings()
@@ -219,14 +220,14 @@ def _capacity_remedy(latest: Snapshot) -> str:
 def _preemptions(latest: Snapshot, found: list[Diagnosis], source: str) -> Check:
     if not latest.knows("requests.preemptions_total"):
         why = " (SGLang retracts requests without a counter)" if source == "sglang" else ""
-        return _unknown("Preemptions", latest, f"preemptions{why}", "requests.preemptions_total")
+        return unreported("Preemptions", latest, f"preemptions{why}", "requests.preemptions_total")
     total = latest.requests.preemptions_total
     per_s = total / latest.uptime_s if latest.uptime_s > 0 else 0.0
     since = "since start" if latest.knows("uptime_s") else "over the scrape's assumed hour (no process start time)"
     evidence = f"{total} in total, {per_s:.2f}/s {since}"
     rising = [d for d in found if (d.evidence.get("preemptions_per_s_recent") or 0) > 0]
     if rising:
-        check = _from_diagnosis("Preemptions", rising[0], latest)
+        check = from_diagnosis("Preemptions", rising[0], latest)
         check.evidence = f"{evidence}; {rising[0].summary}"
         return check
     threshold = kv_oom_runtime.Settings().min_preemptions_per_s
@@ -241,7 +242,7 @@ def _hit_rate(latest: Snapshot, found: list[Diagnosis], source: str, blocked: bo
     prefix = latest.prefix_cache
     title = "Prefix cache hit rate"
     if found:
-        checks = [_from_diagnosis(title, d, latest) for d in found]
+        checks = [from_diagnosis(title, d, latest) for d in found]
         for check, diagnosis in zip(checks, found, strict=True):
             if source != "kvops" and diagnosis.rule == "prompt_variance":
                 # The rule's summary proposes kvops's shadow normalization, which these servers lack.
@@ -251,7 +252,7 @@ def _hit_rate(latest: Snapshot, found: list[Diagnosis], source: str, blocked: bo
         return checks
     if not latest.knows("prefix_cache.queries_total"):
         if not latest.knows("prefix_cache.hit_rate"):
-            return [_unknown(title, latest, "prefix-cache hits", "prefix_cache.queries_total")]
+            return [unreported(title, latest, "prefix-cache hits", "prefix_cache.queries_total")]
         low = prompt_variance.Settings().shadow_probe_max_hit_rate
         status = Status.INFO if prefix.hit_rate <= low else Status.OK
         return [Check(section=SECTION, title=title, status=status,
@@ -280,11 +281,11 @@ def _hit_rate(latest: Snapshot, found: list[Diagnosis], source: str, blocked: bo
 
 def _swap(latest: Snapshot, found: list[Diagnosis], source: str) -> Check:
     if found:
-        return _from_diagnosis("Swap", found[0], latest)
+        return from_diagnosis("Swap", found[0], latest)
     if not latest.knows("swap"):
         if source == "vllm":  # V1 has nothing to swap: no metric to ask for
-            return _unknown("Swap", latest, "swap (V1 recomputes preempted requests instead)")
-        return _unknown("Swap", latest, "swap", "swap")
+            return unreported("Swap", latest, "swap (V1 recomputes preempted requests instead)")
+        return unreported("Swap", latest, "swap", "swap")
     swap = latest.swap
     if swap.host_blocks == 0 and swap.swapped_seqs == 0 and latest.knows("swap.swap_out_total"):
         return Check(section=SECTION, title="Swap", status=Status.OK,
@@ -303,7 +304,7 @@ def _prompt_lengths(latest: Snapshot) -> Check:
     title = "Prompt lengths"
     hist = latest.prompt_lengths
     if not latest.knows("prompt_lengths"):
-        return _unknown(title, latest, "a prompt-length histogram", "prompt_lengths")
+        return unreported(title, latest, "a prompt-length histogram", "prompt_lengths")
     if hist.count == 0 or hist.p50 is None or hist.p99 is None:
         return Check(section=SECTION, title=title, status=Status.SKIPPED, evidence="no finished request yet")
     evidence = f"p50 {hist.p50:.0f}, p95 {hist.p95:.0f}, p99 {hist.p99:.0f} tokens over {hist.count} requests"
@@ -331,9 +332,9 @@ def _prompt_lengths(latest: Snapshot) -> Check:
 
 def _tenants(latest: Snapshot, found: list[Diagnosis], source: str) -> list[Check]:
     if not latest.knows("tenants"):
-        return [_unknown("Tenants", latest, "per-tenant usage")]
+        return [unreported("Tenants", latest, "per-tenant usage")]
     if found:
-        return [_from_diagnosis(f"Tenant {d.subject}", d, latest) for d in found]
+        return [from_diagnosis(f"Tenant {d.subject}", d, latest) for d in found]
     tenants = latest.tenants
     detail = [f"{name}: {t.requests_total} requests, hit rate {t.hit_rate:.1%}, {t.blocks_held} blocks held, "
               f"evictions caused {t.evictions_caused} / suffered {t.evictions_suffered}" for name, t in tenants.items()]
@@ -345,14 +346,14 @@ def _kv_quant(latest: Snapshot, found: list[Diagnosis], profile: KVQuantProfile 
               source: str) -> Check:
     title = "KV quantization error"
     if found:
-        return _from_diagnosis(title, found[0], latest)
+        return from_diagnosis(title, found[0], latest)
     engine = latest.engine
     if source == "kvops" and engine.kv_cache_dtype == engine.dtype and profile is None and not why_not:
         return Check(section=SECTION, title=title, status=Status.OK,
                      evidence=f"KV stored in the model dtype ({engine.dtype}): nothing is quantized",
                      detail=["`--kv-quant` still profiles another dtype's error on request"])
     if profile is None and source != "kvops":
-        return _unknown(title, latest, "a per-layer KV quantization error profile")
+        return unreported(title, latest, "a per-layer KV quantization error profile")
     if profile is None:
         return Check(section=SECTION, title=title, status=Status.SKIPPED, evidence=why_not or "not profiled",
                      remedy="kvops doctor --kv-quant (pauses serving for a few seconds)" if not why_not else "")

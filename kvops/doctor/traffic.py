@@ -8,12 +8,12 @@ and the plain numbers when none fired; a line whose metric the server lacks says
 from __future__ import annotations
 
 from kvops.adapters import missing_metric
+from kvops.doctor.cache import from_diagnosis, unreported
 from kvops.doctor.report import Check, Status
-from kvops.schema.diagnosis import Diagnosis, Severity
+from kvops.schema.diagnosis import Diagnosis
 from kvops.schema.snapshot import Histogram, Snapshot
 
 SECTION = "Traffic"
-SEVERITY_STATUS = {Severity.CRITICAL: Status.FAIL, Severity.WARNING: Status.WARN, Severity.INFO: Status.INFO}
 # Ranks whose KV usage differs by more than this, or that queue while others do not, are shown one by one.
 RANK_USAGE_SPREAD = 0.2
 
@@ -27,25 +27,12 @@ def traffic_checks(snaps: list[Snapshot], diagnoses: list[Diagnosis]) -> list[Ch
     return checks + ([ranks] if ranks else [])
 
 
-def _line(title: str, diagnosis: Diagnosis) -> Check:
-    detail = [f"rule {diagnosis.rule}: {diagnosis.title}"]
-    detail.extend(f"{key} = {value}" for key, value in diagnosis.evidence.items())
-    return Check(section=SECTION, title=title, status=SEVERITY_STATUS[diagnosis.severity], evidence=diagnosis.summary,
-                 remedy=diagnosis.fix.description if diagnosis.fix else "", detail=detail, rule=diagnosis.rule)
-
-
-def _missing(title: str, snap: Snapshot, what: str, field: str) -> Check:
-    needs = missing_metric(snap.source, field)
-    return Check(section=SECTION, title=title, status=Status.SKIPPED, evidence=f"{snap.source} does not report {what}",
-                 remedy=f"needs {needs}" if needs else "")
-
-
 def _queueing(latest: Snapshot, found: list[Diagnosis]) -> Check:
     title = "Queueing"
     if found:
-        return _line(title, found[0])
+        return from_diagnosis(title, found[0], latest, SECTION)
     if not latest.knows("requests.waiting"):
-        return _missing(title, latest, "waiting requests", "requests.waiting")
+        return unreported(title, latest, "waiting requests", "requests.waiting", SECTION)
     requests = latest.requests
     usage = f", KV usage {latest.blocks.usage:.0%}" if latest.knows("blocks.usage") else ""
     return Check(section=SECTION, title=title, status=Status.OK,
@@ -55,9 +42,9 @@ def _queueing(latest: Snapshot, found: list[Diagnosis]) -> Check:
 def _aborted(latest: Snapshot, found: list[Diagnosis]) -> Check:
     title = "Aborted requests"
     if found:
-        return _line(title, found[0])
+        return from_diagnosis(title, found[0], latest, SECTION)
     if not latest.knows("requests.aborted_total"):
-        return _missing(title, latest, "aborted requests", "requests.aborted_total")
+        return unreported(title, latest, "aborted requests", "requests.aborted_total", SECTION)
     requests = latest.requests
     if not latest.knows("requests.finished_total"):
         status = Status.INFO if requests.aborted_total else Status.OK
@@ -91,11 +78,11 @@ def _latency(latest: Snapshot, found: list[Diagnosis]) -> list[Check]:
                                                                              "tokens")):
         broken = [d for d in found if d.subject == field]
         if broken:
-            checks.append(_line(title, broken[0]))
+            checks.append(from_diagnosis(title, broken[0], latest, SECTION))
             continue
         histogram = latest.ttft if field == "ttft" else latest.itl
         if histogram is None or not latest.knows(field):
-            checks.append(_missing(title, latest, f"a {title.lower()} histogram", field))
+            checks.append(unreported(title, latest, f"a {title.lower()} histogram", field, SECTION))
         elif histogram.count == 0:
             checks.append(Check(section=SECTION, title=title, status=Status.SKIPPED, evidence="nothing measured yet"))
         else:
