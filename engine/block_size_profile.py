@@ -153,9 +153,9 @@ def _fill(engine: LLMEngine, base: list[KVCacheLayer], num_slots: int, generator
     for start in range(0, num_slots, _FILL_CHUNK):
         end = min(num_slots, start + _FILL_CHUNK)
         shape = (end - start, model.num_kv_heads, model.head_dim)
-        k = torch.randn(shape, generator=generator).to(engine.dtype)
-        v = torch.randn(shape, generator=generator).to(engine.dtype)
-        slots = torch.arange(start, end)
+        k = torch.randn(shape, generator=generator).to(engine.device, engine.dtype)
+        v = torch.randn(shape, generator=generator).to(engine.device, engine.dtype)
+        slots = torch.arange(start, end, device=engine.device)
         for layer in base:  # every layer the same values: only the cost is measured
             kernels.write_kv_cache(k, v, layer, slots)
 
@@ -226,7 +226,7 @@ def profile_block_size(
     group = engine.config.kv_cache_group_size
     model = engine.model
     base = [kernels.allocate_kv_cache_layer(kind, num_slots, 1, model.num_kv_heads, model.head_dim, engine.dtype,
-                                            group) for kind in engine.kv_pool.layer_dtypes]
+                                            group, engine.device) for kind in engine.kv_pool.layer_dtypes]
     _fill(engine, base, num_slots, generator)
     runs = [_candidate(base, size, lens, generator) for size in sizes]
     input_ids = torch.randint(0, engine.vocab_size, (batch,), generator=generator)

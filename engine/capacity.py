@@ -42,23 +42,28 @@ class Capacity:
         )
 
 
-def plan_capacity(budget_bytes: int, block_size: int, bytes_per_token: int, max_model_len: int) -> Capacity:
+def plan_capacity(budget_bytes: int, block_size: int, bytes_per_token: int, max_model_len: int,
+                  source: str = "--kv-cache-memory") -> Capacity:
+    """`source` names where the budget came from in the errors: the flag on CPU; on CUDA the budget is
+    derived from --gpu-memory-utilization, so the advice names both knobs."""
+    raise_to = (f"raise {source} to" if source.startswith("--")
+                else "raise --gpu-memory-utilization or --kv-cache-memory to give")
     block_bytes = block_size * bytes_per_token
     num_blocks = budget_bytes // block_bytes
     if num_blocks < 1:
         raise CapacityError(
-            f"--kv-cache-memory {format_bytes(budget_bytes)} ({budget_bytes} bytes) is smaller than one block: "
+            f"{source} {format_bytes(budget_bytes)} ({budget_bytes} bytes) is smaller than one block: "
             f"a block of {block_size} tokens needs {block_bytes} bytes ({bytes_per_token} bytes/token); "
-            f"raise --kv-cache-memory to at least {format_bytes(block_bytes)}"
+            f"{raise_to} at least {format_bytes(block_bytes)}"
         )
     needed_blocks = -(-max_model_len // block_size)
     if needed_blocks > num_blocks:
         needed = needed_blocks * block_bytes
         raise CapacityError(
             f"one request of max_model_len {max_model_len} tokens needs {needed} bytes ({format_bytes(needed)}) "
-            f"of KV cache but --kv-cache-memory gives {budget_bytes} bytes ({format_bytes(budget_bytes)}), "
+            f"of KV cache but {source} gives {budget_bytes} bytes ({format_bytes(budget_bytes)}), "
             f"{num_blocks} blocks of {block_size} tokens; the largest max_model_len that fits is "
-            f"{num_blocks * block_size}: lower --max-model-len to {num_blocks * block_size} or raise "
-            f"--kv-cache-memory to {format_bytes(needed)}"
+            f"{num_blocks * block_size}: lower --max-model-len to {num_blocks * block_size} or {raise_to} "
+            f"{format_bytes(needed)}"
         )
     return Capacity(num_blocks, block_size, bytes_per_token, max_model_len)

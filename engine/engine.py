@@ -12,9 +12,11 @@ from typing import Any
 import structlog
 import torch
 
+from kvops import kernels
 from kvops.engine.block_manager import DEFAULT_TENANT, BlockManager
 from kvops.engine.capacity import Capacity
 from kvops.engine.config import EngineConfig
+from kvops.engine.device import activation_headroom, default_dtype, plan_gpu_kv_budget, resolve_device
 from kvops.engine.errors import ConfigError, InvalidRequestError
 from kvops.engine.kv_pool import allocate_kv_pool
 from kvops.engine.model import LlamaModel
@@ -52,6 +54,11 @@ class LLMEngine:
         started = time.monotonic()
         self.config = config
         self.started_at = time.time()
+        self.device = resolve_device(config.device)  # before the weights load: a bad --device fails at once
+        try:  # a KVOPS_KERNELS that cannot run here is refused now, not at the first step
+            self.kernel_backend = kernels.backend_for(self.device)
+        except (RuntimeError, ValueError) as exc:
+            raise ConfigError(str(exc)) from None
         loaded = load_model(config.model)
         self.model_name = loaded.name
         self.model_dir = loaded.directory
@@ -65,13 +72,14 @@ class LLMEngine:
                 f"--max-model-len {self.max_model_len} is more than the model's max_position_embeddings "
                 f"{limit}: use {limit} or less"
             )
-        self.dtype = torch.float32 if config.dtype == "auto" else getattr(torch, config.dtype)  # one of DTYPES
-        self.model = LlamaModel(hf, loaded.state_dict, self.dtype, self.max_model_len)
+        self.dtype = default_dtype(self.device) if config.dtype == "auto" else getattr(torch, config.dtype)
+        self.model = LlamaModel(hf, loaded.state_dict, self.dtype, self.max_model_len, self.device)
         if config.debug_scale_k:
             self._scale_keys(config.debug_scale_k)
         del loaded
         self.kv_pool = allocate_kv_pool(config, self.model.num_layers, self.model.num_kv_heads,
-                                        self.model.head_dim, self.dtype, self.max_model_len)
+                                        self.model.head_dim, self.dtype, self.max_model_len, self.device,
+                                        self._kv_budget(hf))
         self.capacity: Capacity = self.kv_pool.capacity
         self.block_manager = BlockManager(self.capacity.num_blocks, config.block_size,
                                           config.enable_prefix_caching, config.eviction_policy,
@@ -91,7 +99,8 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
         torch.manual_seed(config.seed)
-        log.info(self.capacity.describe(), model=self.model_name, dtype=self.dtype_name,
+        log.info(self.capacity.describe(), model=self.model_name, device=str(self.device), dtype=self.dtype_name,
+                 kernels=self.kernel_backend, pool_bytes=self.kv_pool.allocated_bytes,
                  kv_cache_dtype=self.kv_cache_dtype_name,
                  kv_cache_dtype_skip_layers=list(config.kv_cache_dtype_skip_layers),
                  block_size=config.block_size, num_blocks=self.capacity.num_blocks,
@@ -100,6 +109,18 @@ class LLMEngine:
                  max_model_len=self.max_model_len,
                  max_concurrency=round(self.capacity.max_concurrency, 2),
                  load_s=round(time.monotonic() - started, 2))
+
+    def _kv_budget(self, hf: Any) -> int | None:
+        """None on CPU: the pool takes --kv-cache-memory (and names that flag in its errors); on CUDA what
+        --gpu-memory-utilization leaves after the weights (which are on the device by now) and an activation
+        headroom."""
+        if self.device.type != "cuda":
+            return None
+        model, config = self.model, self.config
+        headroom = activation_headroom(config.max_num_batched_tokens, config.max_num_seqs, hf.hidden_size,
+                                       model.intermediate_size, model.q_size, model.kv_size, hf.vocab_size,
+                                       self.model.embed.element_size())
+        return plan_gpu_kv_budget(config, self.device, model.nbytes, headroom).kv_bytes
 
     def _scale_keys(self, spec: str) -> None:
         layer, factor = spec.split(":")
@@ -214,6 +235,9 @@ class LLMEngine:
         if not self.block_manager.enable_prefix_caching:
             self.potential.observe(token_ids, self.salt_for(tenant))
         seq = Sequence(request_id, token_ids, params, tenant, self.salt_for(tenant))
+        if seq.generator is not None and self.device.type != "cpu":
+            # multinomial needs a generator on the logits' device; the seed gives the same stream per request.
+            seq.generator = torch.Generator(self.device).manual_seed(int(params.seed))  # type: ignore[arg-type]
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         return request_id

@@ -69,20 +69,26 @@ class KVPool:
 
 
 def allocate_kv_pool(config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
-                     dtype: torch.dtype, max_model_len: int) -> KVPool:
+                     dtype: torch.dtype, max_model_len: int, device: torch.device | None = None,
+                     budget_bytes: int | None = None) -> KVPool:
+    """The device pool on `device` (default CPU) from `budget_bytes` (default --kv-cache-memory), and the
+    host pool from --swap-space, page-locked when the device is CUDA."""
+    device = device or torch.device("cpu")
     kinds = layer_kv_dtypes(config, num_layers, head_dim)
     group = config.kv_cache_group_size
     bytes_per_token = sum(kernels.layer_bytes_per_token(kind, num_kv_heads, head_dim, dtype, group) for kind in kinds)
-    capacity = plan_capacity(int(config.kv_cache_memory), config.block_size, bytes_per_token, max_model_len)
+    budget = int(config.kv_cache_memory) if budget_bytes is None else budget_bytes
+    source = "--kv-cache-memory" if budget_bytes is None else "the device memory budget"
+    capacity = plan_capacity(budget, config.block_size, bytes_per_token, max_model_len, source)
     block_bytes = config.block_size * bytes_per_token
     num_host_blocks = int(config.swap_space) // block_bytes
     if config.swap_space and num_host_blocks < 1:
         raise ConfigError(f"--swap-space {format_bytes(int(config.swap_space))} is smaller than one block "
                           f"({block_bytes} bytes): give at least {format_bytes(block_bytes)}, or 0 for no swap")
 
-    def pool(num_blocks: int) -> list[KVCacheLayer]:
+    def pool(num_blocks: int, where: torch.device, pinned: bool = False) -> list[KVCacheLayer]:
         return [kernels.allocate_kv_cache_layer(kind, num_blocks, config.block_size, num_kv_heads, head_dim,
-                                                dtype, group) for kind in kinds]
+                                                dtype, group, where, pinned) for kind in kinds]
 
-    return KVPool(kinds, bytes_per_token, capacity, pool(capacity.num_blocks),
-                  pool(num_host_blocks) if num_host_blocks else [])
+    host = pool(num_host_blocks, torch.device("cpu"), device.type == "cuda") if num_host_blocks else []
+    return KVPool(kinds, bytes_per_token, capacity, pool(capacity.num_blocks, device), host)

@@ -24,7 +24,8 @@ def private_kv_pool(engine: LLMEngine, kinds: Sequence[str], num_blocks: int, gr
     """A fresh cache of `num_blocks` blocks, one layer per entry of `kinds`, shaped like the engine's."""
     model = engine.model
     return [kernels.allocate_kv_cache_layer(kind, num_blocks, engine.config.block_size, model.num_kv_heads,
-                                            model.head_dim, engine.dtype, group_size) for kind in kinds]
+                                            model.head_dim, engine.dtype, group_size, device=engine.device)
+            for kind in kinds]
 
 
 @dataclass

@@ -14,6 +14,7 @@ Every metric is listed in docs/metrics.md.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import structlog
@@ -21,11 +22,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvops.engine.config import DEFAULT_MAX_TENANT_LABELS
 from kvops.engine.stats import LATENCY_BUCKETS
-from kvops.schema.snapshot import BLOCK_STATE_CODES, Snapshot
+from kvops.schema.snapshot import BLOCK_STATE_CODES, Snapshot, TenantStats
 
 log = structlog.get_logger("kvops.engine.metrics")
 
+OTHER_TENANT = "other"  # the label of the tenants summed together (TenantLabels)
 TOKEN_BUCKETS: tuple[float, ...] = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 
 
@@ -46,18 +49,56 @@ class _WithoutCreated(Collector):
             yield kept
 
 
+class TenantLabels:
+    """Which tenants have a `tenant` label of their own; the others are summed as tenant="other".
+
+    Tenant names come from clients, so one label per tenant would let them grow /metrics without bound.
+    A tenant keeps its label until restart once given one, and the first `limit` tenants seen get one
+    (those first seen in the same scrape heaviest first, by prompt tokens): a tenant that moved between
+    its own series and "other" would make both counters jump, down in one and up in the other, which
+    Prometheus reads as a reset and a burst. So every series here only grows. `/stats` keeps every tenant.
+    """
+
+    def __init__(self, limit: int = DEFAULT_MAX_TENANT_LABELS) -> None:
+        self.limit = limit
+        self._own: set[str] = set()
+        self._lock = threading.Lock()  # the step loop observes while a scrape may be admitting
+
+    def label(self, tenant: str) -> str:
+        with self._lock:
+            if tenant in self._own:
+                return tenant
+            # A tenant really named "other" is counted in the aggregate: two series with one label set
+            # would make the exposition invalid.
+            if tenant != OTHER_TENANT and len(self._own) < self.limit:
+                self._own.add(tenant)
+                return tenant
+            return OTHER_TENANT
+
+    def admit(self, tenants: Iterable[str]) -> None:
+        """Give free labels to these tenants, in this order."""
+        for tenant in tenants:
+            self.label(tenant)
+
+    @property
+    def labelled(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._own)
+
+
 class _SnapshotCollector(Collector):
     """Reads one snapshot per scrape and turns it into metric families."""
 
-    def __init__(self, snapshot_fn: Callable[[], Snapshot], errors: Counter) -> None:
+    def __init__(self, snapshot_fn: Callable[[], Snapshot], errors: Counter, labels: TenantLabels) -> None:
         self._snapshot_fn = snapshot_fn
         self._errors = errors
+        self._labels = labels
 
     def collect(self) -> Iterable[Metric]:
         try:
             # Build and check every family before yielding any, so a bad snapshot leaves out all of them,
             # not half, and nothing fails later while the exposition is written.
-            families = [_checked(family) for family in snapshot_families(self._snapshot_fn())]
+            families = [_checked(family) for family in snapshot_families(self._snapshot_fn(), self._labels)]
         except Exception as exc:  # a scrape must never fail because of one bad read
             self._errors.inc()
             log.warning("metrics snapshot failed; serving event metrics only", error=repr(exc))
@@ -80,8 +121,21 @@ def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily
     return CounterMetricFamily(name, documentation, value=value)
 
 
-def snapshot_families(snap: Snapshot) -> Iterator[Metric]:
-    """Every snapshot-derived metric family, values exactly those of the snapshot (`/stats`)."""
+def _tenants_by_label(snap: Snapshot, labels: TenantLabels | None) -> dict[str, list[TenantStats]]:
+    """The snapshot's tenants grouped by their `tenant` label, labels in name order."""
+    if labels is not None:
+        # Tenants first seen in this snapshot take the free labels heaviest first.
+        labels.admit(name for name, _ in sorted(snap.tenants.items(),
+                                                key=lambda item: (-item[1].prompt_tokens_total, item[0])))
+    groups: dict[str, list[TenantStats]] = {}
+    for name, stats in snap.tenants.items():
+        groups.setdefault(name if labels is None else labels.label(name), []).append(stats)
+    return dict(sorted(groups.items()))
+
+
+def snapshot_families(snap: Snapshot, labels: TenantLabels | None = None) -> Iterator[Metric]:
+    """Every snapshot-derived metric family, values exactly those of the snapshot (`/stats`); per-tenant values
+    summed by `labels` (None: every tenant its own label)."""
     engine = snap.engine
     info = GaugeMetricFamily(
         "kvops_engine_info", "Engine identity and configuration; always 1.",
@@ -159,7 +213,8 @@ def snapshot_families(snap: Snapshot) -> Iterator[Metric]:
     yield _gauge("kvops_swap_rate", "Blocks swapped out per block allocated over the snapshot window (0..1+).",
                  swap.window.swap_rate)
 
-    # tenants
+    # tenants: at most `labels.limit` of them by name, the rest summed as tenant="other" (TenantLabels)
+    by_label = _tenants_by_label(snap, labels)
     tenant_families: list[tuple[Metric, str]] = [
         (GaugeMetricFamily("kvops_tenant_blocks", "Blocks held by the tenant's live sequences.",
                            labels=["tenant"]), "blocks_held"),
@@ -177,8 +232,8 @@ def snapshot_families(snap: Snapshot) -> Iterator[Metric]:
                              labels=["tenant"]), "evictions_suffered"),
     ]
     for family, field in tenant_families:
-        for tenant, stats in sorted(snap.tenants.items()):
-            family.add_metric([tenant], getattr(stats, field))
+        for label, members in by_label.items():
+            family.add_metric([label], sum(getattr(stats, field) for stats in members))
         yield family
 
     # process
@@ -206,7 +261,9 @@ def snapshot_families(snap: Snapshot) -> Iterator[Metric]:
 class EngineMetrics:
     """The engine's `/metrics`: event metrics updated by the engine plus the latest snapshot at scrape time."""
 
-    def __init__(self, snapshot_fn: Callable[[], Snapshot]) -> None:
+    def __init__(self, snapshot_fn: Callable[[], Snapshot],
+                 max_tenant_labels: int = DEFAULT_MAX_TENANT_LABELS) -> None:
+        self.tenant_labels = TenantLabels(max_tenant_labels)
         self.registry = CollectorRegistry()
         events = CollectorRegistry()
         self._events = events
@@ -234,27 +291,28 @@ class EngineMetrics:
             registry=events,
         )
         # The snapshot first: a failed read then shows in the same scrape's snapshot_errors counter.
-        self.registry.register(_SnapshotCollector(snapshot_fn, self.snapshot_errors))
+        self.registry.register(_SnapshotCollector(snapshot_fn, self.snapshot_errors, self.tenant_labels))
         self.registry.register(_WithoutCreated(events))
 
     def observe_request_finished(self, tenant: str, prompt_tokens: int, generation_tokens: int,
                                  finish_reason: str) -> None:
+        tenant = self.tenant_labels.label(tenant)
         self.request_prompt_tokens.labels(tenant).observe(prompt_tokens)
         self.request_generation_tokens.labels(tenant).observe(generation_tokens)
         self.requests_finished.labels(tenant, finish_reason).inc()
 
     def observe_time_to_first_token(self, tenant: str, seconds: float) -> None:
-        self.time_to_first_token.labels(tenant).observe(seconds)
+        self.time_to_first_token.labels(self.tenant_labels.label(tenant)).observe(seconds)
 
     def observe_inter_token_latency(self, tenant: str, seconds: float) -> None:
-        self.inter_token_latency.labels(tenant).observe(seconds)
+        self.inter_token_latency.labels(self.tenant_labels.label(tenant)).observe(seconds)
 
     def observe_e2e_latency(self, tenant: str, seconds: float) -> None:
-        self.e2e_latency.labels(tenant).observe(seconds)
+        self.e2e_latency.labels(self.tenant_labels.label(tenant)).observe(seconds)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition body and its content type, for the HTTP handler."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-__all__ = ["LATENCY_BUCKETS", "TOKEN_BUCKETS", "EngineMetrics", "snapshot_families"]
+__all__ = ["LATENCY_BUCKETS", "OTHER_TENANT", "TOKEN_BUCKETS", "EngineMetrics", "TenantLabels", "snapshot_families"]

@@ -55,7 +55,7 @@ class LlamaModel:
     """Weights as plain tensors and one `forward` that reads and writes the paged cache."""
 
     def __init__(self, config: Any, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
-                 max_positions: int) -> None:
+                 max_positions: int, device: torch.device | None = None) -> None:
         sliding = getattr(config, "sliding_window", None)
         if sliding and getattr(config, "use_sliding_window", True) and sliding < max_positions:
             raise ConfigError(
@@ -63,7 +63,8 @@ class LlamaModel:
                 f"implement: run it with --max-model-len {sliding} or less"
             )
         self.dtype = dtype
-        self.linear_backend, self.linear = select_linear(torch.device("cpu"), dtype)
+        self.device = device or torch.device("cpu")
+        self.linear_backend, self.linear = select_linear(self.device, dtype)
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -76,14 +77,15 @@ class LlamaModel:
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {config.hidden_act!r} is not supported (Llama-family models use silu)")
 
+        # Each tensor is cast and moved on its own, so a GPU run never holds a second full copy on the device.
         def w(name: str) -> torch.Tensor:
             try:
-                return state_dict[name].to(dtype).contiguous()
+                return state_dict[name].to(self.device, dtype).contiguous()
             except KeyError:
                 raise ConfigError(f"weight {name!r} is missing from the checkpoint") from None
 
         def opt(name: str) -> torch.Tensor | None:
-            return state_dict[name].to(dtype).contiguous() if name in state_dict else None
+            return state_dict[name].to(self.device, dtype).contiguous() if name in state_dict else None
 
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
@@ -107,8 +109,19 @@ class LlamaModel:
         inv_freq, scaling = _rope_inv_freq(config)
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * scaling).to(dtype)
-        self.sin = (emb.sin() * scaling).to(dtype)
+        self.cos = (emb.cos() * scaling).to(self.device, dtype)
+        self.sin = (emb.sin() * scaling).to(self.device, dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor the model keeps (weights and RoPE tables), a tied head counted once."""
+        tensors = {id(t): t for t in (self.embed, self.norm, self.lm_head, self.cos, self.sin)}
+        for layer in self.layers:
+            for name in Layer.__slots__:
+                t = getattr(layer, name)
+                if t is not None:
+                    tensors[id(t)] = t
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         h = x.to(torch.float32)
@@ -125,7 +138,14 @@ class LlamaModel:
         logits_indices: torch.Tensor,
         observer: KVObserver | None = None,
     ) -> torch.Tensor:
-        """Run the flat batch; return float32 logits for the tokens at `logits_indices`."""
+        """Run the flat batch; return float32 logits for the tokens at `logits_indices`.
+
+        Inputs may be built on the host: they are moved to the model's device here (no-ops on CPU), once
+        per step, so every caller (the engine, the KV profiles, the benchmarks) gets the same handling."""
+        device = self.device
+        input_ids, positions, logits_indices = (t.to(device, non_blocking=True)
+                                                for t in (input_ids, positions, logits_indices))
+        meta = meta.to(device)
         tokens = input_ids.shape[0]
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)

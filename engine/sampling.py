@@ -8,6 +8,8 @@ import torch
 
 from kvops.engine.errors import InvalidRequestError
 
+GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
+
 
 @dataclass
 class SamplingParams:
@@ -37,7 +39,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below this, logits / temperature overflows to inf and the softmax to NaN (1e-300 took down the step
+        # loop); the distribution is one-hot long before that anyway. vLLM uses the same cut-off.
+        return self.temperature < GREEDY_BELOW
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:

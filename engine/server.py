@@ -7,7 +7,6 @@ disconnects aborts its sequence. Errors use OpenAI's error body with the offendi
 from __future__ import annotations
 
 import asyncio
-import hmac
 import inspect
 import json
 import re
@@ -16,12 +15,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import structlog
-from fastapi import FastAPI, Header, Request
+from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvops.engine.api_keys import AuthenticationError, TenantResolver, admin_refusal, check_client_tenant
 from kvops.engine.async_engine import AsyncEngine
 from kvops.engine.block_size_profile import DEFAULT_CANDIDATES, profile_block_size
 from kvops.engine.config import parse_layers
@@ -90,6 +90,7 @@ def _set_eviction_policy(engine: LLMEngine, body: EvictionPolicyBody) -> dict[st
 
 
 def _set_tenant(engine: LLMEngine, body: TenantBody, tenant: str) -> dict[str, Any]:
+    check_client_tenant(tenant, "tenant")
     engine.set_tenant_quota(tenant, body.quota_blocks)
     if body.cache_salt is None:
         engine.tenant_salts.pop(tenant, None)
@@ -121,11 +122,14 @@ def _route_path(action: AdminAction) -> str:
     return re.sub(r"\{(\w+)\}", r"{\1:path}", action.path)
 
 
-def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s: float = 30.0) -> FastAPI:
-    """The ASGI app around one engine. Its step loop starts and stops with the app's lifespan."""
+def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s: float = 30.0,
+              tenants: TenantResolver | None = None) -> FastAPI:
+    """The ASGI app around one engine. Its step loop starts and stops with the app's lifespan. `tenants` is
+    read from the engine's config (its API keys) unless given; ConfigError for a bad key file."""
     from contextlib import asynccontextmanager
 
-    metrics = EngineMetrics(lambda: engine.snapshot())
+    tenants = tenants or TenantResolver.from_config(engine.config)
+    metrics = EngineMetrics(lambda: engine.snapshot(), engine.config.max_tenant_labels)
     runner = AsyncEngine(engine, metrics)
 
     @asynccontextmanager
@@ -140,6 +144,7 @@ def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s
     app = FastAPI(title="kvops engine", version="1", lifespan=lifespan)
     app.state.runner = runner
     app.state.metrics = metrics
+    app.state.tenants = tenants
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -166,6 +171,14 @@ def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s
     async def invalid_setting(_: Request, exc: ConfigError) -> JSONResponse:
         return _error(400, str(exc))
 
+    @app.exception_handler(AuthenticationError)
+    async def unauthenticated(_: Request, exc: AuthenticationError) -> JSONResponse:
+        return _error(401, str(exc), None, "authentication_error")
+
+    def key_tenant(authorization: str | None = Header(default=None)) -> str | None:
+        # A dependency, so a request without a valid key is refused before its body is checked.
+        return tenants.authenticate(authorization)
+
     # ------------------------------------------------------------ serving
 
     def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> SamplingParams:
@@ -180,9 +193,6 @@ def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s
         if name != engine.model_name:
             raise InvalidRequestError(f"model {name!r} is not served here: this engine serves {engine.model_name!r}",
                                       "model")
-
-    def tenant_of(body_user: str | None, header: str | None) -> str:
-        return body_user or header or "default"
 
     def usage(out: RequestOutput) -> Usage:
         prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
@@ -212,8 +222,8 @@ def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s
             raise InvalidRequestError("the engine is shutting down and takes no new requests", None)
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, request: Request,
-                          x_tenant: str | None = Header(default=None)) -> Response:
+    async def completions(body: CompletionRequest, request: Request, x_tenant: str | None = Header(default=None),
+                          keyed: str | None = Depends(key_tenant)) -> Response:
         check_model(body.model)
         accepting()
         prompt: str | Sequence[int]
@@ -225,7 +235,7 @@ def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s
         else:
             prompt = body.prompt  # type: ignore[assignment]
         params = sampling_params(body, body.max_tokens)
-        tenant = tenant_of(body.user, x_tenant)
+        tenant = tenants.tenant(keyed, body.user, x_tenant)
         prompt = await runner.run(lambda: engine.prepare_prompt(prompt, tenant))
         return await respond(
             request, body, runner.generate(prompt, params, tenant=tenant),
@@ -241,11 +251,12 @@ def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request,
-                               x_tenant: str | None = Header(default=None)) -> Response:
+                               x_tenant: str | None = Header(default=None),
+                               keyed: str | None = Depends(key_tenant)) -> Response:
         check_model(body.model)
         accepting()
         params = sampling_params(body, body.max_completion_tokens or body.max_tokens)
-        tenant = tenant_of(body.user, x_tenant)
+        tenant = tenants.tenant(keyed, body.user, x_tenant)
         messages = [m.model_dump() for m in body.messages]
         prompt = await runner.run(lambda: engine.prepare_chat(messages, tenant))
         return await respond(
@@ -273,7 +284,11 @@ def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s
         """Stream SSE chunks, or wait for the whole completion (aborting it if the client leaves)."""
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream_events(outputs, chunk, usage_chunk if include_usage else None),
+            # Wait for the first output before answering 200: a request the engine refuses (an empty prompt, one
+            # too long) raises here and is answered 400, as it is unstreamed, not 200 with an error event.
+            first = await anext(outputs, None)
+            return StreamingResponse(stream_events(_prepend(first, outputs), chunk,
+                                                   usage_chunk if include_usage else None),
                                      media_type="text/event-stream")
         out = await run_to_end(request, outputs)
         if out is None:
@@ -342,15 +357,8 @@ def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s
     # ------------------------------------------------------------ admin
 
     def authorize(authorization: str | None) -> JSONResponse | None:
-        if admin_token is None:
-            return _error(404, "admin endpoints are disabled: start the engine with --admin-token", None,
-                          "not_found_error")
-        if not authorization or not authorization.startswith("Bearer "):
-            return _error(401, "admin endpoints need 'Authorization: Bearer <admin token>'", None,
-                          "authentication_error")
-        if not hmac.compare_digest(authorization.removeprefix("Bearer ").encode(), admin_token.encode()):
-            return _error(403, "the admin token is wrong", None, "permission_error")
-        return None
+        refused = admin_refusal(admin_token, authorization)
+        return None if refused is None else _error(refused[0], refused[1], None, refused[2])
 
     async def admin_change(authorization: str | None, change: Callable[[], dict[str, Any]]) -> JSONResponse:
         denied = authorize(authorization)
@@ -423,3 +431,10 @@ def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s
         return Response(profile.model_dump_json(), media_type="application/json")
 
     return app
+
+
+async def _prepend(first: RequestOutput | None, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    if first is not None:
+        yield first
+    async for out in rest:
+        yield out

@@ -60,7 +60,7 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
     config, bm = engine.config, engine.block_manager
     return EngineInfo(
         model=engine.model_name, engine_version=__version__, pid=os.getpid(), started_at=engine.started_at,
-        device="cpu", dtype=engine.dtype_name, kv_cache_dtype=engine.kv_cache_dtype_name,
+        device=str(engine.device), dtype=engine.dtype_name, kv_cache_dtype=engine.kv_cache_dtype_name,
         kv_cache_dtype_skip_layers=list(config.kv_cache_dtype_skip_layers), block_size=config.block_size,
         num_blocks=bm.num_blocks, max_model_len=engine.max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_bytes=engine.capacity.pool_bytes,

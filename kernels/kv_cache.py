@@ -64,19 +64,26 @@ def layer_bytes_per_token(kind: str, num_kv_heads: int, head_dim: int, dtype: to
 
 
 def allocate_kv_cache_layer(kind: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                            dtype: torch.dtype, group_size: int = 32) -> KVCacheLayer:
+                            dtype: torch.dtype, group_size: int = 32, device: torch.device | str | None = None,
+                            pin_memory: bool = False) -> KVCacheLayer:
+    """One layer's zeroed cache on `device` (default: the CPU). `pin_memory` is for a host swap pool beside a
+    CUDA pool: copies from page-locked memory run at full bus speed and without a staging copy."""
     shape = (2, num_blocks, block_size, num_kv_heads)
+
+    def zeros(*size: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(*size, dtype=dtype, device=device, pin_memory=pin_memory)
+
     if kind == "auto":
-        return KVCacheLayer(kind, dtype, head_dim, torch.zeros(*shape, head_dim, dtype=dtype))
+        return KVCacheLayer(kind, dtype, head_dim, zeros(*shape, head_dim, dtype=dtype))
     if kind == "int8":
-        return KVCacheLayer(kind, dtype, head_dim, torch.zeros(*shape, head_dim, dtype=torch.int8),
-                            scale=torch.zeros(*shape, dtype=torch.float32))
+        return KVCacheLayer(kind, dtype, head_dim, zeros(*shape, head_dim, dtype=torch.int8),
+                            scale=zeros(*shape, dtype=torch.float32))
     if kind == "fp8":
-        return KVCacheLayer(kind, dtype, head_dim, torch.zeros(*shape, head_dim, dtype=torch.float8_e4m3fn),
-                            scale=torch.ones(2, dtype=torch.float32))
+        return KVCacheLayer(kind, dtype, head_dim, zeros(*shape, head_dim, dtype=torch.float8_e4m3fn),
+                            scale=torch.ones(2, dtype=torch.float32, device=device, pin_memory=pin_memory))
     if kind == "int4":
         groups = head_dim // group_size
-        return KVCacheLayer(kind, dtype, head_dim, torch.zeros(*shape, head_dim // 2, dtype=torch.uint8),
-                            scale=torch.zeros(*shape, groups, dtype=torch.bfloat16),
-                            zero=torch.zeros(*shape, groups, dtype=torch.bfloat16), group_size=group_size)
+        return KVCacheLayer(kind, dtype, head_dim, zeros(*shape, head_dim // 2, dtype=torch.uint8),
+                            scale=zeros(*shape, groups, dtype=torch.bfloat16),
+                            zero=zeros(*shape, groups, dtype=torch.bfloat16), group_size=group_size)
     raise ValueError(f"unknown KV cache dtype {kind!r}: use one of {', '.join(KV_CACHE_DTYPES)}")

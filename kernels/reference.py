@@ -118,7 +118,8 @@ def _decode_buckets(meta: AttentionMetadata, row_cost: int) -> list[_Bucket]:
     cached = meta._cache.get("decode_buckets")
     if cached is not None:
         return cached  # type: ignore[return-value]
-    lens = meta.decode_context_lens.tolist()
+    lens = meta.on_host.decode_context_lens.tolist()  # host lengths: planning reads no device memory
+    device = meta.decode_block_tables.device
     order = sorted(range(len(lens)), key=lambda i: -lens[i])
     groups: list[list[int]] = []
     for i in order:
@@ -136,12 +137,12 @@ def _decode_buckets(meta: AttentionMetadata, row_cost: int) -> list[_Bucket]:
         if len(group) == 1 or group[-1] - group[0] == len(group) - 1:
             rows = slice(group[0], group[-1] + 1)  # contiguous rows: a view, no index copy
         else:
-            rows = torch.tensor(group)
+            rows = torch.tensor(group, device=device)
         blocks = meta.decode_block_tables[rows, : -(-length // bs)]
-        group_lens = torch.tensor([lens[i] for i in group])
         mask = None
-        if bool((group_lens != length).any()):
-            mask = (torch.arange(length)[None, :] < group_lens[:, None])[:, None, None, :]
+        if any(lens[i] != length for i in group):
+            group_lens = torch.tensor([lens[i] for i in group], device=device)
+            mask = (torch.arange(length, device=device)[None, :] < group_lens[:, None])[:, None, None, :]
         buckets.append(_Bucket(rows, blocks, length, mask))
     meta._cache["decode_buckets"] = buckets
     return buckets
@@ -163,12 +164,12 @@ def paged_decode_attention(q: torch.Tensor, layer: KVCacheLayer, meta: Attention
     return out
 
 
-def _prefill_mask(meta: AttentionMetadata, n: int, context_len: int) -> torch.Tensor:
+def _prefill_mask(meta: AttentionMetadata, n: int, context_len: int, device: torch.device) -> torch.Tensor:
     """New token i (at position context_len - n + i) sees positions <= its own; shared by all layers."""
     key = f"prefill_mask:{n}:{context_len}"
     mask = meta._cache.get(key)
     if mask is None:
-        mask = torch.ones(n, context_len, dtype=torch.bool).tril(context_len - n)
+        mask = torch.ones(n, context_len, dtype=torch.bool, device=device).tril(context_len - n)
         meta._cache[key] = mask
     return mask  # type: ignore[return-value]
 
@@ -189,7 +190,7 @@ def paged_prefill_attention(
         if span.context_len == n:
             out = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            mask = _prefill_mask(meta, n, span.context_len)
+            mask = _prefill_mask(meta, n, span.context_len, q.device)
             out = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         outputs.append(out.squeeze(0).transpose(0, 1))
     return torch.cat(outputs) if outputs else q[:0]
@@ -204,7 +205,9 @@ def swap_blocks(src: KVCacheLayer, dst: KVCacheLayer, pairs: list[tuple[int, int
     """Copy whole blocks, data and scales, from one pool to another (device <-> host swap)."""
     if not pairs:
         return
-    source = torch.tensor([s for s, _ in pairs])
-    target = torch.tensor([d for _, d in pairs])
+    # Each index lives with the tensor it indexes: the gather runs where the source is, the scatter where
+    # the destination is, and one copy crosses between them (device <-> pinned host on CUDA).
+    source = torch.tensor([s for s, _ in pairs], device=src.data.device)
+    target = torch.tensor([d for _, d in pairs], device=dst.data.device)
     for s, d in zip(src.per_slot(), dst.per_slot(), strict=True):
         _bits(d)[:, target] = _bits(s)[:, source].to(d.device)

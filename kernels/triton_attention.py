@@ -200,7 +200,7 @@ def _decode_inputs(meta: AttentionMetadata, device: torch.device) -> tuple[torch
     key = f"triton_decode:{device}"
     cached = meta._cache.get(key)
     if cached is None:
-        max_len = int(meta.decode_context_lens.max())  # host metadata: no device sync
+        max_len = int(meta.on_host.decode_context_lens.max())  # the host copy: no device sync
         cached = (meta.decode_block_tables.to(device, torch.int32), meta.decode_context_lens.to(device, torch.int32),
                   max_len)
         meta._cache[key] = cached
@@ -254,7 +254,7 @@ def _prefill_inputs(meta: AttentionMetadata, device: torch.device) -> tuple[torc
     key = f"triton_prefill:{device}"
     cached = meta._cache.get(key)
     if cached is None:
-        spans = meta.prefills
+        spans = meta.on_host.prefills  # padded on the host, then one copy per tensor
         width = max(int(s.block_table.shape[0]) for s in spans)
         tables = torch.zeros(len(spans), width, dtype=torch.int32)
         for i, s in enumerate(spans):

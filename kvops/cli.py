@@ -42,13 +42,16 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from kvops.engine.api_keys import TenantResolver
     from kvops.engine.args import engine_config_from_args
     from kvops.engine.engine import LLMEngine
     from kvops.engine.server import build_app
     from kvops.serving import serve
 
-    engine = LLMEngine(engine_config_from_args(args))
-    app = build_app(engine, admin_token=args.admin_token, drain_timeout_s=args.drain_timeout)
+    config = engine_config_from_args(args)
+    tenants = TenantResolver.from_config(config)  # a bad key file is refused before the model loads
+    engine = LLMEngine(config)
+    app = build_app(engine, admin_token=args.admin_token, drain_timeout_s=args.drain_timeout, tenants=tenants)
     return serve(app, args.host, args.port, args.drain_timeout)
 
 
@@ -56,7 +59,7 @@ def _top(args: argparse.Namespace) -> int:
     from kvops.top import run_top
 
     return run_top(args.attach, once=args.once, as_json=args.json, admin_token=args.admin_token,
-                   interval_s=args.interval, demo=args.demo)
+                   interval_s=args.interval, demo=args.demo, start=args.start)
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -130,13 +133,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_args(run)
     run.set_defaults(handler=_run)
 
-    top = commands.add_parser("top", help="live terminal view of a supervisor (see docs/top.md)")
+    top = commands.add_parser(
+        "top", help="live terminal view of a supervisor (see docs/top.md)",
+        description="Show a running `kvops run` supervisor. Nothing is started unless --demo or --start says so: "
+                    "with no supervisor answering, kvops top says how to get one and exits 2.")
     top.add_argument("--attach", default=None, metavar="URL",
-                     help="the `kvops run` supervisor to show (default: the one on 127.0.0.1:9400, or else "
-                          "a supervisor and engine started for this session)")
+                     help="the `kvops run` supervisor to show (default: $KVOPS_TOP_URL, else "
+                          "http://127.0.0.1:9400); never starts anything")
     top.add_argument("--demo", action="store_true",
-                     help="start a small engine and a mixed workload (tenants, shared prefixes, noisy prompts, "
-                          "a flooding tenant): diagnoses appear within a minute")
+                     help="start a supervisor, a small engine and a mixed workload (tenants, shared prefixes, noisy "
+                          "prompts, a flooding tenant) for this session: diagnoses appear within a minute")
+    top.add_argument("--start", action="store_true",
+                     help="start a supervisor and an engine on the default model for this session (stopped when "
+                          "kvops top exits), instead of showing a running one")
     top.add_argument("--once", action="store_true", help="print one text snapshot and exit")
     top.add_argument("--json", action="store_true", help="print the latest snapshot of each engine as JSON and exit")
     top.add_argument("--admin-token", default=None, help="to apply or revert fixes (default: $KVOPS_ADMIN_TOKEN)")

@@ -18,9 +18,9 @@ import pytest
 from alerting_outbox import outbox_rows
 from pydantic import ValidationError
 
-from kvops.alerting import Alerter, AlertingConfig, AlertingConfigError, AlertState, ReceiverConfig, verify_signature
-from kvops.alerting.alerter import backoff_s
-from kvops.alerting.config import resolve_receivers
+from kvops.alerting import Alerter, AlertingConfig, AlertState, ReceiverConfig, verify_signature
+from kvops.alerting.config import receiver_problems, resolve_receivers
+from kvops.alerting.delivery import backoff_s
 from kvops.alerting.lifecycle import AlertLifecycle, alert_labels, fingerprint
 from kvops.alerting.outbox import Outbox
 from kvops.alerting.payloads import ZERO_TIME
@@ -340,17 +340,21 @@ def test_other_config_errors() -> None:
         AlertingConfig(for_s={"kv_oom_runtime": -1})
 
 
-def test_missing_env_var_names_the_key(tmp_path: Path) -> None:
+def test_missing_env_var_disables_the_receiver_and_names_the_key(tmp_path: Path) -> None:
     cfg = AlertingConfig.model_validate(
         {"receivers": [{"name": "ops", "url": "http://x"},
                        {"name": "pager", "url": "http://y", "hmac_secret_env": "KVOPS_TEST_UNSET_SECRET"}]}
     )
-    with pytest.raises(AlertingConfigError) as info:
-        Alerter(cfg, tmp_path, EXTERNAL_URL)
-    message = str(info.value)
-    assert "receivers[1]" in message and "'pager'" in message
+    resolved, problems = resolve_receivers(cfg, {})
+    assert [r.name for r in resolved] == ["ops"]
+    (problem,) = problems
+    message = problem.message
+    assert "receivers[1]" in message and "'pager'" in message and "disabled" in message
     assert "hmac_secret_env" in message and "KVOPS_TEST_UNSET_SECRET" in message
-    (pager,) = resolve_receivers(cfg, {"KVOPS_TEST_UNSET_SECRET": "s3cr3t-value"})[1:]
+    assert receiver_problems(cfg, {}) == problems  # what --check-config prints
+    resolved, problems = resolve_receivers(cfg, {"KVOPS_TEST_UNSET_SECRET": "s3cr3t-value"})
+    (pager,) = resolved[1:]
+    assert problems == []
     assert pager.hmac_secret is not None and pager.hmac_secret.get_secret_value() == "s3cr3t-value"
     assert "s3cr3t-value" not in repr(pager)
 
@@ -368,7 +372,7 @@ def test_alertmanager_endpoint() -> None:
         {"receivers": [{"name": "am", "type": "alertmanager", "url": "http://am:9093/"},
                        {"name": "am2", "type": "alertmanager", "url": "http://am:9093/api/v2/alerts"}]}
     )
-    assert [r.endpoint for r in resolve_receivers(cfg)] == ["http://am:9093/api/v2/alerts"] * 2
+    assert [r.endpoint for r in resolve_receivers(cfg)[0]] == ["http://am:9093/api/v2/alerts"] * 2
 
 
 # --- backoff and signatures ----------------------------------------------------------------------------
@@ -390,3 +394,28 @@ def test_signature_verification() -> None:
     assert not verify_signature(body, header, "other", now=1_700_000_100)
     assert not verify_signature(body, header, "secret", now=1_700_001_000)  # stale: a replay
     assert not verify_signature(body, "garbage", "secret")
+
+
+def test_state_file_of_the_previous_layout_is_upgraded_in_place(tmp_path: Path) -> None:
+    db = sqlite3.connect(tmp_path / "alerts.sqlite3")
+    db.executescript("""
+        CREATE TABLE outbox (id INTEGER PRIMARY KEY AUTOINCREMENT, receiver TEXT NOT NULL, kind TEXT NOT NULL,
+            group_key TEXT NOT NULL, payload TEXT NOT NULL, idempotency_key TEXT NOT NULL UNIQUE,
+            created_at REAL NOT NULL, attempts INTEGER NOT NULL DEFAULT 0, next_attempt_at REAL NOT NULL,
+            last_error TEXT, delivered_at REAL);
+        CREATE INDEX outbox_undelivered ON outbox (receiver, id) WHERE delivered_at IS NULL;
+        CREATE TABLE alerts (fingerprint TEXT PRIMARY KEY, alert TEXT NOT NULL);
+        CREATE TABLE alert_groups (group_key TEXT PRIMARY KEY, alert_group TEXT NOT NULL);
+        INSERT INTO outbox (receiver, kind, group_key, payload, idempotency_key, created_at, next_attempt_at)
+            VALUES ('ops', 'webhook', 'g', '{}', 'k1', 1700000000, 1700000000);
+        PRAGMA user_version = 1;
+    """)
+    db.close()
+    alerter = Alerter(config(), tmp_path, EXTERNAL_URL, clock=lambda: T0)
+    try:
+        assert alerter.self_diagnoses(T0) == []  # an upgrade, not a reset
+        assert alerter.stats(T0).receivers["ops"].pending == 1  # the waiting row is still to be sent
+    finally:
+        alerter.stop(flush_timeout_s=0)
+    (row,) = outbox_rows(tmp_path)
+    assert (row.idempotency_key, row.dead_at, row.rejections) == ("k1", None, 0)

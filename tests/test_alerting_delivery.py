@@ -10,17 +10,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import structlog
-from alerting_outbox import outbox_rows
+from alerting_outbox import Receiver, outbox_rows, wait_for
 from pydantic import BaseModel, ConfigDict
 
 from kvops.alerting import SIGNATURE_HEADER, Alerter, AlertingConfig, verify_signature
@@ -31,76 +28,6 @@ from kvops.schema.diagnosis import Diagnosis, Severity
 EXTERNAL_URL = "http://kvops.example:9400"
 BEARER = "bearer-7f3a9c1e5b"
 HMAC_SECRET = "hmac-2d8e4f6a0c"
-
-
-@dataclass(frozen=True)
-class Request:
-    path: str
-    headers: dict[str, str]
-    body: bytes
-    status: int  # what the receiver answered
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-class Receiver:
-    """An HTTP endpoint that records every POST and answers the next scripted status (200 after the script)."""
-
-    def __init__(self, port: int = 0) -> None:
-        self.port = port
-        self.requests: list[Request] = []
-        self.script: list[int] = []
-        self._lock = threading.Lock()
-        self._server: ThreadingHTTPServer | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def accepted(self) -> list[Request]:
-        with self._lock:
-            return [r for r in self.requests if 200 <= r.status < 300]
-
-    def start(self) -> Receiver:
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                with receiver._lock:
-                    status = receiver.script.pop(0) if receiver.script else 200
-                    receiver.requests.append(Request(self.path, dict(self.headers.items()), body, status))
-                # a careless receiver echoing the request headers in its error page
-                echo = {k: v for k, v in self.headers.items() if k in ("Authorization", SIGNATURE_HEADER)}
-                reply = b"ok" if status < 300 else f"refused; you sent {echo}".encode()
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        self.port = self._server.server_address[1]
-        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def diagnosis(engine: str = "e1", rule: str = "kv_oom_runtime", subject: str = "") -> Diagnosis:
@@ -158,6 +85,7 @@ def test_webhook_bearer_hmac_and_no_secret_in_logs(
     alerter.start()
     alerter.evaluate([diagnosis()])
     wait_for(lambda: len(hook.accepted) == 1, 10, "the notification")
+    wait_for(lambda: alerter.stats().delivered["ops"] == 1, 5, "it marked delivered")  # just after the 2xx
 
     assert [r.status for r in hook.requests] == [503, 401, 200]
     (request,) = hook.accepted
@@ -210,6 +138,7 @@ def test_receiver_down_then_up_each_notification_once_in_order(
     hook = Receiver(port).start()
     receivers.append(hook)
     wait_for(lambda: len(hook.accepted) == 3, 5, "the backlog")
+    wait_for(lambda: alerter.stats().pending == 0, 5, "the backlog marked delivered")
     time.sleep(0.5)  # anything sent twice would arrive now
     assert len(hook.requests) == 3
     keys = [r.headers["Idempotency-Key"] for r in hook.requests]

@@ -16,8 +16,9 @@ import httpx
 import openai
 import pytest
 
+from kvops.loadgen import Lengths, LoadError, LoadSpec, Stream, run_load
 from kvops.schema.snapshot import Snapshot
-from kvops.supervisor.engine_client import EngineClient
+from kvops.supervisor.engine_client import EngineClient, EngineUnreachable
 
 MODEL = "SmolLM2-135M-Instruct"
 TOKEN = "test-admin-token"
@@ -173,14 +174,64 @@ def test_admin_actions_through_the_client_quote_tenant_names(server):
     # Over a real uvicorn: the client quotes the name into one path segment ('/' as %2F), uvicorn decodes
     # it before routing, and the engine's tenant route still takes the whole name.
     client = EngineClient(server, TOKEN, timeout_s=30)
-    for tenant in ("team/a b", "ops tenant"):
+    for tenant in ("team/a b", "ops tenant", "a/b c", "?#%", "100%/x?y=1&z#f", "../admin/config"):
         knobs = client.admin("set_tenant_quota", {"tenant": tenant, "quota_blocks": 64, "cache_salt": "shared"})
         assert knobs["tenant_quotas"][tenant] == 64 and knobs["tenant_salts"][tenant] == "shared"
         knobs = client.admin("set_tenant_quota", {"tenant": tenant})  # lifts the quota, restores its own salt
         assert tenant not in knobs["tenant_quotas"] and tenant not in knobs["tenant_salts"]
     assert client.admin("set_normalization", {"mode": "off"})["normalize_prompts"] == "off"
     assert admin(server, "tenants/", {"quota_blocks": None}).status_code == 404  # an empty name names nothing
+    with pytest.raises(EngineUnreachable, match="HTTP 400: tenant: tenant name ' a/b' is not valid"):
+        client.admin("set_tenant_quota", {"tenant": " a/b", "quota_blocks": 64})  # decoded, then refused
+    assert client.knobs()["tenant_quotas"] == {}
     client.close()
+
+
+def test_api_keys_with_the_openai_client(tmp_path):
+    # `kvops engine serve --api-keys-env` end to end: the openai client sends its key as a Bearer token.
+    import os
+
+    keys = {"team-a": "team-a-key-0123456789", "team-b": "team-b-key-0123456789"}
+    os.environ["KVOPS_TEST_SERVER_KEYS"] = ",".join(f"{t}={k}" for t, k in keys.items())
+    try:
+        proc, url = start_server("--api-keys-env", "KVOPS_TEST_SERVER_KEYS", "--admin-token", TOKEN)
+    finally:
+        del os.environ["KVOPS_TEST_SERVER_KEYS"]
+    try:
+        def client(key: str) -> openai.OpenAI:
+            return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+
+        with pytest.raises(openai.AuthenticationError, match="the API key is not valid"):
+            client("wrong-key-0123456789").completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+        out = client(keys["team-b"]).completions.create(model=MODEL, prompt="Hi", max_tokens=2, user="team-a",
+                                                        extra_headers={"X-Tenant": "team-a"})
+        assert out.usage.prompt_tokens > 0
+        chat = client(keys["team-a"]).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        assert chat.choices[0].message.content is not None
+        tenants = stats(url).tenants
+        assert tenants["team-b"].requests_total == 1 and tenants["team-a"].requests_total == 1
+        # the admin API keeps its own token, and the tenant route takes a key's tenant like any other
+        assert EngineClient(url, TOKEN).admin("set_tenant_quota", {"tenant": "team-b", "quota_blocks": 64})[
+            "tenant_quotas"] == {"team-b": 64}
+        assert admin(url, "tenants/team-b", {"quota_blocks": None}, token=keys["team-b"]).status_code == 403
+        # kvops loadgen sends a stream's key from the variable its api_key_env names: the key, not `user`, decides
+        os.environ["KVOPS_TEST_TEAM_A_KEY"] = keys["team-a"]
+        try:
+            report = run_load(url, LoadSpec(seed=1, duration_s=30, streams=[Stream(
+                tenant="loadgen", api_key_env="KVOPS_TEST_TEAM_A_KEY", concurrency=1, max_requests=2,
+                prompt=Lengths.fixed(8), output=Lengths.fixed(2))]))
+        finally:
+            del os.environ["KVOPS_TEST_TEAM_A_KEY"]
+        assert report.total.requests_finished == 2 and report.total.requests_failed == 0
+        after = stats(url).tenants
+        assert after["team-a"].requests_total == 3 and "loadgen" not in after
+        with pytest.raises(LoadError, match="KVOPS_TEST_UNSET_KEY"):
+            run_load(url, LoadSpec(seed=1, duration_s=5, streams=[Stream(
+                api_key_env="KVOPS_TEST_UNSET_KEY", concurrency=1, max_requests=1)]))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
 
 
 def test_disconnected_stream_aborts_and_frees_blocks(server):

@@ -74,3 +74,59 @@ def test_quota_limited_tenant_waits_while_others_proceed(small_llm):
     assert owned_max <= 16
     assert finished.index(free_rider) < finished.index(capped[-1])  # not stuck behind the capped tenant
     check_invariants(engine.block_manager)
+
+
+def _scrape(metrics) -> dict[str, dict[str, float]]:
+    """{sample name: {tenant label: value}} of the per-tenant samples (histogram buckets left out)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(metrics.render()[0].decode()):
+        for sample in family.samples:
+            if "tenant" in sample.labels and "le" not in sample.labels and "finish_reason" not in sample.labels:
+                samples.setdefault(sample.name, {})[sample.labels["tenant"]] = sample.value
+    return samples
+
+
+def test_tenant_labels_are_capped_with_the_rest_summed_as_other(small_llm):
+    from kvops.engine.metrics import EngineMetrics
+    from kvops.schema.snapshot import TenantStats
+
+    cap = 4
+    base = small_llm.engine.snapshot(include_gpu=False)
+
+    def stats(i: int, grown: int = 0) -> TenantStats:
+        return TenantStats(requests_total=i + grown, prompt_tokens_total=100 * i + grown, hit_tokens_total=i,
+                           blocks_held=i % 3, evictions_caused=i, evictions_suffered=2 * i + grown)
+
+    # cap + 5 tenants, one of them really named "other": it is summed into the aggregate, never its own series
+    tenants = {f"t{i}": stats(i) for i in range(1, cap + 5)} | {"other": stats(50)}
+    snap = base.model_copy(update={"tenants": tenants})
+    metrics = EngineMetrics(lambda: snap, max_tenant_labels=cap)
+    first = _scrape(metrics)
+    heaviest = {"t8", "t7", "t6", "t5"}  # by prompt tokens, "other" (the heaviest) not counted
+    field_of = {"kvops_tenant_requests_total": "requests_total", "kvops_tenant_prompt_tokens_total":
+                "prompt_tokens_total", "kvops_tenant_prefix_hit_tokens_total": "hit_tokens_total",
+                "kvops_tenant_blocks": "blocks_held", "kvops_tenant_cross_evictions_caused_total": "evictions_caused",
+                "kvops_tenant_cross_evictions_suffered_total": "evictions_suffered"}
+    for name, field in field_of.items():
+        assert set(first[name]) == heaviest | {"other"}, name
+        assert sum(first[name].values()) == sum(getattr(s, field) for s in tenants.values()), name  # sums kept
+        assert first[name]["t8"] == getattr(tenants["t8"], field)
+    assert first["kvops_tenant_requests_total"]["other"] == 1 + 2 + 3 + 4 + 50
+
+    # Later: every tenant grew and a new, heavier one came. Labels stay as they were (a series moving between
+    # its own label and "other" would break both counters), so every counter only grows.
+    tenants = {name: stats(int(name[1:]) if name != "other" else 50, grown=7) for name in tenants}
+    tenants["newcomer"] = stats(90)
+    snap = base.model_copy(update={"tenants": tenants})
+    metrics.observe_request_finished("newcomer", prompt_tokens=5, generation_tokens=1, finish_reason="stop")
+    metrics.observe_request_finished("t8", prompt_tokens=5, generation_tokens=1, finish_reason="stop")
+    second = _scrape(metrics)
+    for name in field_of:
+        assert set(second[name]) == heaviest | {"other"}, name
+        if name.endswith("_total"):
+            assert all(second[name][label] >= first[name][label] for label in second[name]), name
+    assert second["kvops_tenant_requests_total"]["other"] == 1 + 2 + 3 + 4 + 50 + 5 * 7 + 90
+    assert set(second["kvops_request_prompt_tokens_count"]) == {"other", "t8"}  # the event metrics follow suit
+    assert metrics.tenant_labels.labelled == heaviest

@@ -243,8 +243,9 @@ def test_client_turns_network_errors_into_supervisor_unreachable(capsys: Any) ->
         client.apply_fix("e", "r")
     except SupervisorRefused as exc:
         assert exc.status == 401 and "admin token" in str(exc)
-    assert run_top("http://127.0.0.1:9", once=True) == 1
-    assert "kvops top: supervisor at" in capsys.readouterr().err
+    assert run_top("http://127.0.0.1:9", once=True) == 2  # nothing answers: what to do instead, exit 2
+    assert "kvops top: no kvops supervisor answers at http://127.0.0.1:9 (connection refused)" in \
+        capsys.readouterr().err
 
 
 def test_clicking_a_column_header_sorts_and_a_second_click_reverses() -> None:

@@ -1,10 +1,15 @@
-"""`kvops top` with nothing running: the embedded supervisor, the demo workload, and the app driven
-by a pilot against them — real processes (`kvops run`, its engine, the load generator), no fakes."""
+"""`kvops top` with nothing running: without --start / --demo it says so and starts nothing; the
+embedded supervisor, the demo workload, and the app driven by a pilot against them — real processes
+(`kvops top` itself, `kvops run`, its engine, the load generator), no fakes."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import pty
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,9 +32,71 @@ def test_supervisor_answers_only_when_one_is_there() -> None:
     assert not supervisor_answers(f"http://127.0.0.1:{free_port('127.0.0.1')}")
 
 
-def test_the_live_view_needs_a_terminal(capsys: Any) -> None:
-    assert run_top(None) == 2  # pytest captures stdout: not a terminal
+def test_the_live_view_needs_a_terminal(capsys: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))  # where an embedded supervisor would keep its log
+    assert run_top(None, start=True) == 2  # pytest captures stdout: not a terminal, so nothing is started
     assert "--once or --json" in capsys.readouterr().err
+    assert not (tmp_path / "kvops").exists()
+
+
+def _top(args: list[str], tmp_path: Path, default_url: str | None = None) -> tuple[int, str, set[str]]:
+    """`kvops top ARGS` as a real process on a terminal (a pty: the live view's path, not the pipe's):
+    its exit code, its stderr and the command lines of every process it started, watched until it exits."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KVOPS_TOP_URL", "KVOPS_ADMIN_TOKEN")}
+    env["XDG_STATE_HOME"] = str(tmp_path)  # an embedded supervisor's state dir (and log) would be under it
+    if default_url is not None:
+        env["KVOPS_TOP_URL"] = default_url
+    primary, secondary = pty.openpty()
+    try:
+        process = subprocess.Popen([sys.executable, "-m", "kvops", "top", *args], stdin=secondary, stdout=secondary,
+                                   stderr=subprocess.PIPE, env=env, text=True)
+        parent = psutil.Process(process.pid)
+        spawned: set[str] = set()
+        while process.poll() is None:
+            with contextlib.suppress(psutil.Error):  # gone while it was looked at: `poll` says so next
+                spawned |= {" ".join(child.cmdline()) for child in parent.children(recursive=True)}
+            time.sleep(0.02)
+        _, err = process.communicate(timeout=30)
+    finally:
+        os.close(primary)
+        os.close(secondary)
+    return process.returncode, err, spawned
+
+
+def _kvops_processes_under(tmp_path: Path) -> list[str]:
+    """Every live process whose command line names `tmp_path`: an embedded supervisor (its --state-dir)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or ())
+        if str(tmp_path) in cmdline:
+            found.append(cmdline)
+    return found
+
+
+@pytest.mark.parametrize("how", ["default", "attach", "once", "json"])
+def test_with_no_supervisor_it_says_what_to_do_and_starts_nothing(tmp_path: Path, how: str) -> None:
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens there
+    args = {"default": [], "attach": ["--attach", url], "once": ["--once", "--attach", url],
+            "json": ["--json"]}[how]
+    code, err, spawned = _top(args, tmp_path, default_url=url if how in ("default", "json") else None)
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert err.startswith(f"kvops top: no kvops supervisor answers at {url} (connection refused).\n"), err
+    for way in ("kvops run ", "kvops top --attach URL", "kvops top --demo", "kvops top --start"):
+        assert way in err, (way, err)
+    assert ("That address comes from $KVOPS_TOP_URL" in err) == (how in ("default", "json"))
+    assert not spawned, spawned  # no `kvops run`, no engine: not even for a moment
+    assert not (tmp_path / "kvops").exists()  # no embedded supervisor's state dir
+    assert not _kvops_processes_under(tmp_path)
+
+
+def test_start_cannot_be_combined_with_attach_or_once(tmp_path: Path) -> None:
+    for args, message in [(["--start", "--attach", "http://127.0.0.1:9"], "drop --attach"),
+                          (["--start", "--once"], "--start is for the live view"),
+                          (["--demo", "--json"], "--demo is for the live view"),
+                          (["--demo", "--start"], "drop --start")]:
+        code, err, spawned = _top(args, tmp_path)
+        assert code == 2 and message in err and not spawned, (args, err)
 
 
 def _rows(app: KvopsTop, table: str, column: int = 0) -> list[str]:

@@ -46,12 +46,15 @@ class WatchedEngineClient(EngineClient):
     def detect(self) -> EngineKind:
         """Which server this is; raises EngineUnreachable when it answers but is not one kvops reads."""
         if self.flavour is None:
+            failure: EngineUnreachable | None = None
             try:
                 scrape: Scrape | None = self.scrape()
-            except EngineUnreachable:
-                scrape = None
+            except EngineUnreachable as exc:
+                scrape, failure = None, exc
             self._models = self.models()
             flavour = detect_flavour(scrape, self._models)
+            if flavour is None and self._models is None and failure is not None:
+                raise failure  # no answer, or an error status: say that, not "it answers but is something else"
             if flavour is None:
                 raise EngineUnreachable(f"{self.url} answers, but neither /metrics nor /v1/models looks like a "
                                         "kvops, vLLM or SGLang server (vLLM and SGLang need metrics enabled: "

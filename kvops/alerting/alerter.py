@@ -10,7 +10,6 @@ between two evaluations. Both hold one lock around the alert state; HTTP happens
 from __future__ import annotations
 
 import json
-import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -18,14 +17,16 @@ from pathlib import Path
 
 import httpx
 import structlog
-from pydantic import BaseModel
 
 from kvops.alerting.config import AlertingConfig, ResolvedReceiver, resolve_receivers
-from kvops.alerting.grouping import Grouper, GroupNotification
+from kvops.alerting.delivery import Courier, Outcome
+from kvops.alerting.grouping import Group, Grouper, GroupNotification, group_key
+from kvops.alerting.health import DeadLetter, DeliveryStats, ReceiverStats, self_diagnoses
 from kvops.alerting.lifecycle import Alert, AlertLifecycle, AlertState, LifecycleChanges
-from kvops.alerting.outbox import NewNotification, Outbox, OutboxRow, PendingSummary
+from kvops.alerting.outbox import NewNotification, OutboxRow, PendingSummary
 from kvops.alerting.payloads import postable_alerts, webhook_payload
 from kvops.alerting.receivers import ReceiverClient
+from kvops.alerting.state_file import StateReset, open_state
 from kvops.schema.diagnosis import Diagnosis
 
 log = structlog.get_logger("kvops.alerting")
@@ -33,32 +34,7 @@ log = structlog.get_logger("kvops.alerting")
 STATE_FILE = "alerts.sqlite3"
 _MAX_IDLE_S = 1.0  # the thread re-checks at least this often, so a stepped wall clock cannot stall it for long
 _PRUNE_EVERY_S = 3600.0
-
-
-class ReceiverStats(BaseModel):
-    name: str
-    type: str
-    delivered: int = 0  # rows delivered (2xx) since this process started
-    failed_attempts: int = 0  # attempts that failed since this process started
-    pending: int = 0  # undelivered rows in the outbox now
-    oldest_pending_age_s: float | None = None
-    last_error: str | None = None  # the most recent failure's reason, secrets blanked out
-    last_delivered_at: float | None = None
-
-
-class DeliveryStats(BaseModel):
-    """Shaped for /metrics: counters keyed by receiver name, and the outbox backlog."""
-
-    delivered: dict[str, int]  # rows delivered (2xx) since this process started
-    failed_attempts: dict[str, int]  # failed attempts since this process started (each is retried)
-    pending: int  # undelivered rows in the outbox, over all configured receivers
-    receivers: dict[str, ReceiverStats]  # all of it, per receiver
-
-
-def backoff_s(attempts: int, initial_s: float, max_s: float, rng: random.Random) -> float:
-    """Delay after the `attempts`-th failure: initial, doubling, capped, ±10% so receivers are not hit in step."""
-    base = min(max_s, initial_s * 2.0 ** min(attempts - 1, 62))
-    return min(max_s, base * rng.uniform(0.9, 1.1))
+DEAD_LETTERS_LISTED = 100  # the API lists this many by default; the outbox keeps them all
 
 
 class Alerter:
@@ -70,18 +46,31 @@ class Alerter:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._config = config
-        self._receivers: list[ResolvedReceiver] = resolve_receivers(config)  # AlertingConfigError on an unset *_env
+        # a receiver whose secret is missing is disabled, not fatal: the others still have to be told
+        self._receivers: list[ResolvedReceiver]
+        self._receivers, self._problems = resolve_receivers(config)
+        for problem in self._problems:
+            log.warning("alert receiver disabled", receiver=problem.receiver, problem=problem.message)
         self._external_url = external_url.rstrip("/")
         self._clock = clock
         state_dir = Path(state_dir)
         state_dir.mkdir(parents=True, exist_ok=True)
-        self._outbox = Outbox(state_dir / STATE_FILE)
-        self._load_state()
+        opened = open_state(state_dir / STATE_FILE, clock())
+        self._outbox = opened.outbox
+        self._reset: StateReset | None = opened.reset
+        self._set_state(opened.alerts, opened.groups)
         self._http = httpx.Client(follow_redirects=False)
         self._clients = {r.name: ReceiverClient(r, self._http) for r in self._receivers}
         self._lock = threading.RLock()  # alert state, and the order of outbox writes
-        self._stats_lock = threading.Lock()
-        self._counters = {r.name: ReceiverStats(name=r.name, type=r.type) for r in self._receivers}
+        counters = [ReceiverStats(name=r.name, type=r.type) for r in self._receivers]
+        types = {r.name: r.type for r in config.receivers}
+        counters += [ReceiverStats(name=p.receiver, type=types[p.receiver], enabled=False, disabled_reason=p.message)
+                     for p in self._problems]
+        last_delivered = self._outbox.last_delivered()  # so "last delivery" survives a restart
+        for stats in counters:
+            stats.last_delivered_at = last_delivered.get(stats.name)
+        self._courier = Courier(self._outbox, clock, counters)
+        self._catch_up_due: set[str] = set()  # receivers that refused rows for good: catch up when they accept
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._stop_deadline = 0.0  # time.monotonic() by which stop() wants the thread gone
@@ -91,18 +80,20 @@ class Alerter:
         # 0: the first pass pushes every firing alert, which also refreshes an Alertmanager after our restart
         self._alertmanager_push_at = 0.0
         self._prune_at = 0.0
-        self._rng = random.Random()
         log.info(
             "alerting ready",
             receivers=[r.name for r in self._receivers],
+            disabled=[p.receiver for p in self._problems],
             state=str(self._outbox.path),
             restored_alerts=len(self._lifecycle.active()),
             restored_groups=len(self._grouper.groups()),
         )
 
     def _load_state(self) -> None:
+        self._set_state(*self._outbox.load_state())
+
+    def _set_state(self, alerts: list[Alert], groups: list[Group]) -> None:
         config = self._config
-        alerts, groups = self._outbox.load_state()
         self._lifecycle = AlertLifecycle(config.for_duration, config.runbook_base_url, alerts)
         self._grouper = Grouper(
             config.group_by, config.group_wait_s, config.group_interval_s, config.repeat_interval_s, groups
@@ -117,13 +108,20 @@ class Alerter:
             return
         retried = self._outbox.retry_now(self._clock())
         pending = self._outbox.pending()
+        disabled = {p.receiver for p in self._problems}
         orphaned = {name: p.count for name, p in pending.items() if name not in self._clients}
         if orphaned:
-            log.warning("undelivered notifications for receivers no longer configured stay in the outbox",
-                        receivers=orphaned)
+            log.warning("undelivered notifications for receivers no longer configured or disabled stay in the "
+                        "outbox", receivers=orphaned, disabled=sorted(disabled & set(orphaned)))
         waiting = sum(p.count for name, p in pending.items() if name in self._clients)
         if waiting:
             log.info("outbox holds undelivered notifications; sending them now", pending=waiting, rescheduled=retried)
+        # a restart is often how a refusing receiver gets fixed: tell it now what it missed
+        for name in self._clients:
+            try:
+                self._catch_up(name, self._clock())
+            except Exception:  # the state file refusing a write must not stop the supervisor from starting
+                log.exception("could not queue the catch-up of a receiver", receiver=name)
         self._thread = threading.Thread(target=self._run, name="kvops-alert-delivery", daemon=True)
         self._thread.start()
 
@@ -145,22 +143,39 @@ class Alerter:
         with self._lock:
             return [a.model_copy(deep=True) for a in self._lifecycle.active()]
 
-    def stats(self) -> DeliveryStats:
+    def stats(self, now: float | None = None) -> DeliveryStats:
         pending = self._final_pending if self._closed else self._outbox.pending()
-        now = self._clock()
-        with self._stats_lock:
-            receivers = {name: s.model_copy() for name, s in self._counters.items()}
+        now = self._clock() if now is None else now
+        receivers = self._courier.counters()
         for name, receiver in receivers.items():
             summary = pending.get(name)
-            if summary is not None:
+            if summary is not None and receiver.enabled:
                 receiver.pending = summary.count
                 receiver.oldest_pending_age_s = max(0.0, now - summary.oldest_created_at)
         return DeliveryStats(
             delivered={name: r.delivered for name, r in receivers.items()},
             failed_attempts={name: r.failed_attempts for name, r in receivers.items()},
+            dead_letters={name: r.dead_letters for name, r in receivers.items()},
             pending=sum(r.pending for r in receivers.values()),
             receivers=receivers,
         )
+
+    def dead_letters(self, limit: int = DEAD_LETTERS_LISTED) -> list[DeadLetter]:
+        """Notifications refused for good, most recent first (within the outbox retention)."""
+        if self._closed:
+            return []
+        return [DeadLetter.from_row(row) for row in self._outbox.dead_letters(limit)]
+
+    def self_diagnoses(self, now: float | None = None) -> list[Diagnosis]:
+        """What is wrong with alerting itself, as diagnoses of engine "kvops": pass them to `evaluate`.
+
+        Rules: alert_state_reset (critical), alert_dead_letters, alert_receiver_disabled,
+        alert_outbox_backlog (warning). See docs/alerting.md, "When kvops itself fails".
+        """
+        now = self._clock() if now is None else now
+        stats = self.stats(now)
+        recent = {} if self._closed else self._outbox.dead_since(now - self._config.self_alert_hold_s)
+        return self_diagnoses(self._config, now, stats.receivers, recent, self._problems, self._reset)
 
     def stop(self, flush_timeout_s: float = 5.0) -> None:
         """Deliver what is pending within `flush_timeout_s`, then stop; what is left stays in the outbox."""
@@ -286,33 +301,48 @@ class Alerter:
                     break
 
     def _attempt(self, client: ReceiverClient, row: OutboxRow, timeout_s: float | None = None) -> bool:
-        receiver = client.receiver
-        result = client.send(row.payload.encode(), row.idempotency_key, timeout_s)
-        now = self._clock()
-        attempts = row.attempts + 1
-        if result.ok:
-            self._outbox.mark_delivered(row.id, now)
-            with self._stats_lock:
-                counters = self._counters[receiver.name]
-                counters.delivered += 1
-                counters.last_delivered_at = now
-            log.info("notification delivered", receiver=receiver.name, id=row.id, kind=row.kind, group=row.group_key,
-                     attempts=attempts, http_status=result.status_code, queued_s=round(now - row.created_at, 3))
-            return True
-        delay = backoff_s(attempts, receiver.initial_backoff_s, receiver.max_backoff_s, self._rng)
-        error = result.error or "unknown error"
-        self._outbox.mark_failed(row.id, attempts, error, now + delay)
-        with self._stats_lock:
-            counters = self._counters[receiver.name]
-            counters.failed_attempts += 1
-            counters.last_error = error
-        fields = {"receiver": receiver.name, "id": row.id, "attempts": attempts, "error": error,
-                  "retry_in_s": round(delay, 3)}
-        if result.rejected:
-            log.error("receiver rejected a notification; retrying, check its URL and credentials", **fields)
-        else:
-            log.warning("notification delivery failed; retrying", **fields)
-        return False
+        """Send one row; True when the queue may move on (delivered, or given up on as a dead letter)."""
+        name = client.receiver.name
+        outcome = self._courier.attempt(client, row, timeout_s)
+        if outcome is Outcome.DEAD and row.kind == "webhook":
+            self._catch_up_due.add(name)
+        if outcome is Outcome.DELIVERED and name in self._catch_up_due:
+            # it accepts again: tell it what it missed while it refused
+            self._catch_up_due.discard(name)
+            self._catch_up(name, self._clock())
+        return outcome is not Outcome.RETRY
+
+    def _catch_up(self, name: str, now: float) -> None:
+        """Send `name` the current state of each group whose latest notification to it is a dead letter.
+
+        Only still-firing alerts: a resolution it missed is moot once the group is gone. Alertmanager
+        receivers need none of this: the periodic re-push carries every firing alert.
+        """
+        receiver = next(r for r in self._receivers if r.name == name)
+        if receiver.type != "webhook":
+            return
+        with self._lock:
+            missed = set(self._outbox.dead_groups(name))
+            if not missed:
+                return
+            firing: dict[str, list[Alert]] = {}
+            for alert in self._lifecycle.firing():
+                firing.setdefault(group_key(self._grouper.group_labels(alert)), []).append(alert)
+            new = []
+            for group in self._grouper.groups():
+                # what the other receivers were told fires; the rest goes to everyone at the group's next tick
+                told = [a for a in firing.get(group.key, []) if a.fingerprint in group.notified_firing]
+                if group.key in missed and told:
+                    notification = GroupNotification(group.key, dict(group.labels), told)
+                    payload = webhook_payload(notification, name, self._external_url)
+                    new.append(NewNotification(name, "webhook", group.key, _dumps(payload)))
+            if not new:
+                return
+            rows = self._outbox.save(self._lifecycle.active(), self._grouper.groups(), new, now)
+        for row in rows:
+            log.info("notification queued", receiver=name, id=row.id, kind=row.kind, group=row.group_key,
+                     status="firing", catch_up=True)
+        self._wake.set()
 
     def _idle_wait(self) -> float:
         now = self._clock()

@@ -22,7 +22,8 @@ _http_url = TypeAdapter(AnyHttpUrl)
 
 
 class AlertingConfigError(ValueError):
-    """A setting that validates on its own but cannot be used, e.g. an `*_env` naming an unset variable."""
+    """A setting that validates on its own but cannot be used. (An unset `*_env` variable is not one: it
+    disables its receiver with a warning, see `resolve_receivers`.)"""
 
 
 class ReceiverConfig(BaseModel):
@@ -72,7 +73,10 @@ class AlertingConfig(BaseModel):
     for_s: dict[str, float] = Field(default_factory=dict)  # per rule id; beats the two above
     alertmanager_resend_s: float = Field(default=60.0, gt=0)  # re-push firing alerts; keep < Alertmanager's 5m
     runbook_base_url: str = DEFAULT_RUNBOOK_BASE_URL
-    outbox_retention_s: float = Field(default=7 * 86400.0, gt=0)  # delivered rows are kept this long for forensics
+    outbox_retention_s: float = Field(default=7 * 86400.0, gt=0)  # delivered and dead rows kept this long for forensics
+    # kvops's alerts about itself (docs/alerting.md, "When kvops itself fails")
+    self_alert_hold_s: float = Field(default=3600.0, gt=0)  # a state reset or a dead letter is alerted this long
+    outbox_backlog_alert_s: float = Field(default=300.0, gt=0)  # oldest undelivered notification older than this
 
     @field_validator("for_s")
     @classmethod
@@ -126,24 +130,56 @@ class ResolvedReceiver:
         return base if base.endswith("/api/v2/alerts") else f"{base}/api/v2/alerts"
 
 
-def resolve_receivers(config: AlertingConfig, environ: Mapping[str, str] | None = None) -> list[ResolvedReceiver]:
-    """Look up every `*_env` secret now, so a missing variable stops the daemon at start, not at the first alert."""
+@dataclass(frozen=True)
+class ReceiverProblem:
+    """A receiver that cannot be used as configured (its secret's variable is unset): it is disabled, not fatal.
+
+    A missing secret should not take down the supervisor and every other receiver with it: the engines
+    still need watching, and the other receivers can say that this one is off.
+    """
+
+    index: int  # position in alerting.receivers, as a person finds it in the TOML
+    receiver: str
+    key: str  # e.g. "hmac_secret_env"
+    variable: str  # the environment variable it names
+
+    @property
+    def message(self) -> str:
+        return (
+            f"alerting.receivers[{self.index}] ({self.receiver!r}): {self.key} names the environment variable "
+            f"{self.variable!r}, which is not set (or empty); this receiver is disabled until it is set "
+            f"and kvops restarts"
+        )
+
+
+def resolve_receivers(
+    config: AlertingConfig, environ: Mapping[str, str] | None = None
+) -> tuple[list[ResolvedReceiver], list[ReceiverProblem]]:
+    """Look up every `*_env` secret now: the usable receivers, and one problem per receiver left disabled.
+
+    `kvops run` and `kvops run --check-config` both call this, so both say the same about a missing secret.
+    """
     env = os.environ if environ is None else environ
-    resolved = []
+    resolved: list[ResolvedReceiver] = []
+    problems: list[ReceiverProblem] = []
     for index, receiver in enumerate(config.receivers):
         secrets: dict[str, SecretStr | None] = {}
+        missing: ReceiverProblem | None = None
         for secret in ("bearer_token", "hmac_secret"):
             value: SecretStr | None = getattr(receiver, secret)
             variable: str | None = getattr(receiver, f"{secret}_env")
             if variable is not None:
                 raw = env.get(variable)
                 if not raw:
-                    raise AlertingConfigError(
-                        f"alerting.receivers[{index}] ({receiver.name!r}): {secret}_env names the environment "
-                        f"variable {variable!r}, which is not set (or empty)"
-                    )
+                    missing = missing or ReceiverProblem(index, receiver.name, f"{secret}_env", variable)
+                    continue
                 value = SecretStr(raw)
             secrets[secret] = value
+        if missing is not None:
+            # sending without the secret would be worse than not sending: unsigned requests get refused, or
+            # worse, accepted by a receiver that does not check
+            problems.append(missing)
+            continue
         resolved.append(
             ResolvedReceiver(
                 name=receiver.name,
@@ -157,4 +193,9 @@ def resolve_receivers(config: AlertingConfig, environ: Mapping[str, str] | None 
                 send_resolved=receiver.send_resolved,
             )
         )
-    return resolved
+    return resolved, problems
+
+
+def receiver_problems(config: AlertingConfig, environ: Mapping[str, str] | None = None) -> list[ReceiverProblem]:
+    """What `kvops run --check-config` prints as warnings: exactly what `kvops run` will disable."""
+    return resolve_receivers(config, environ)[1]

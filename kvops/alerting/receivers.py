@@ -4,9 +4,9 @@ Signature: header `X-Kvops-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256(secre
 computed over the exact body bytes. The timestamp inside the signed text lets a receiver refuse
 replays older than a few minutes; `verify_signature` below is the reference check.
 
-Every failure (connection error, timeout, any non-2xx) is retried: a 401/403/404 is usually a
-receiver misconfiguration that someone will fix, and dropping the notification meanwhile would
-lose the alert. Client errors are logged at error level so they are not mistaken for an outage.
+What a failure means for the row is kvops.alerting.delivery's call: `DeliveryResult.rejected` (a
+4xx that waiting will not cure) gets one retry and then makes the row a dead letter; everything else
+is retried with backoff.
 """
 
 from __future__ import annotations

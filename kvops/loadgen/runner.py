@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
 import re
 import sys
@@ -37,6 +38,7 @@ class PlannedRequest:
     tenant: str
     prompt: str
     max_tokens: int
+    api_key: str | None = None
 
 
 class Runner:
@@ -49,6 +51,7 @@ class Runner:
         self.builder = builder
         self.progress = progress
         self.stop_flag = stop or threading.Event()
+        self._api_keys = {s.api_key_env: _api_key(s.api_key_env) for s in spec.streams if s.api_key_env}
         self.started_at = time.time()
         self._t0 = time.perf_counter()
         self._end: float | None = None
@@ -91,7 +94,7 @@ class Runner:
         if stream.noise and rng.random() < stream.noise:
             text = add_noise(text, rng)
         tenant = record.tenant if record is not None and record.tenant else stream.tenant
-        return PlannedRequest(tenant, text, n_output)
+        return PlannedRequest(tenant, text, n_output, self._api_keys.get(stream.api_key_env or ""))
 
     async def _send(self, client: httpx.AsyncClient, planned: PlannedRequest) -> None:
         result = RequestRecord(planned.tenant, self.now())
@@ -105,7 +108,7 @@ class Runner:
                 "temperature": 0.0, "user": planned.tenant}
         try:
             async with asyncio.timeout(self.spec.timeout_s):
-                result.error = await self._stream(client, body, result)
+                result.error = await self._stream(client, body, result, planned.api_key)
         except asyncio.CancelledError:
             result.cancelled = True
             raise
@@ -120,9 +123,11 @@ class Runner:
             with self._lock:
                 self._in_flight[planned.tenant] -= 1
 
-    async def _stream(self, client: httpx.AsyncClient, body: dict[str, Any], result: RequestRecord) -> str | None:
+    async def _stream(self, client: httpx.AsyncClient, body: dict[str, Any], result: RequestRecord,
+                      api_key: str | None = None) -> str | None:
         """Read one streamed completion into `result`; the error message, if it failed."""
-        async with client.stream("POST", "/v1/completions", json=body) as response:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        async with client.stream("POST", "/v1/completions", json=body, headers=headers) as response:
             if response.status_code >= 400:
                 await response.aread()
                 return f"HTTP {response.status_code}: {_error_message(response)}"
@@ -351,3 +356,12 @@ class LoadRun:
 def start_load(url: str, spec: LoadSpec, progress: bool = False) -> LoadRun:
     """Start `spec` against `url` in a background thread. Checks the engine (LoadError) before returning."""
     return LoadRun(_prepare(url, spec, progress, None))
+
+
+def _api_key(variable: str) -> str:
+    """The key in `variable`; a stream that names an unset one stops the run before it starts, not with 401s."""
+    key = os.environ.get(variable)
+    if not key:
+        raise LoadError(f"a stream's api_key_env names {variable!r}, which is not set: export the tenant's API key "
+                        "in it")
+    return key

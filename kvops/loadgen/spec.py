@@ -142,6 +142,9 @@ class Stream(_Strict):
     """One tenant's traffic: how requests arrive, what their prompts look like, when it is active."""
 
     tenant: str = Field(default="default", min_length=1, max_length=256)
+    # An engine with API keys (--api-keys-file / --api-keys-env) takes the tenant from the key, not from `user`:
+    # the variable holding this tenant's key, sent as `Authorization: Bearer`.
+    api_key_env: str | None = Field(default=None, min_length=1)
     rate: float | None = Field(default=None, gt=0, description="requests/s (open loop)")
     arrival: Literal["poisson", "fixed"] = "poisson"
     concurrency: int | None = Field(default=None, ge=1, description="requests always in flight (closed loop)")

@@ -2,13 +2,15 @@
 
 A rule module defines `RULE_ID` (stable, snake_case), `TITLE`, `DESCRIPTION`, a pydantic
 `Settings` model (its thresholds, unknown keys rejected) and
-`evaluate(history, settings, now) -> list[Diagnosis]`. `now` is unix seconds, passed in so rules
-never read the clock (and tests replay any moment). A rule returns [] when the data is too thin
-to decide: it never guesses. See docs/rules.md for the catalog.
+`evaluate(history, settings, now) -> list[Diagnosis]`, and may set `CLEAR_FOR_S`: how long the
+supervisor holds a diagnosis after the rule stopped raising it (kvops.supervisor.hysteresis).
+`now` is unix seconds, passed in so rules never read the clock (and tests replay any moment). A
+rule returns [] when the data is too thin to decide: it never guesses. See docs/rules.md for the catalog.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -41,6 +43,8 @@ log = structlog.get_logger(__name__)
 
 SettingsT = TypeVar("SettingsT", bound=BaseModel)
 
+DEFAULT_CLEAR_FOR_S = 30.0  # a rule's diagnosis is held this long after the rule stopped raising it
+
 
 @dataclass(frozen=True)
 class Rule(Generic[SettingsT]):
@@ -48,11 +52,12 @@ class Rule(Generic[SettingsT]):
     evaluate: Callable[[EngineHistory, SettingsT, float], list[Diagnosis]]
     settings_type: type[SettingsT]
     description: str
+    clear_for_s: float = DEFAULT_CLEAR_FOR_S
 
 
 def _rule(module: ModuleType) -> Rule[Any]:
     return Rule(id=module.RULE_ID, evaluate=module.evaluate, settings_type=module.Settings,
-                description=module.DESCRIPTION)
+                description=module.DESCRIPTION, clear_for_s=getattr(module, "CLEAR_FOR_S", DEFAULT_CLEAR_FOR_S))
 
 
 _MODULES = (
@@ -77,9 +82,9 @@ RULES: dict[str, Rule[Any]] = {rule.id: rule for rule in map(_rule, _MODULES)}
 
 
 def evaluate_all(history: EngineHistory, settings_by_rule: Mapping[str, BaseModel] | None,
-                 now: float) -> list[Diagnosis]:
-    """Every rule, with its settings (the defaults when absent). A rule that raises is logged and
-    skipped: one broken rule must not blind the others."""
+                 now: float, errors: Counter[str] | None = None) -> list[Diagnosis]:
+    """Every rule, with its settings (the defaults when absent). A rule that raises is logged, counted in
+    `errors` (by rule id) and skipped: one broken rule must not blind the others."""
     settings_by_rule = settings_by_rule or {}
     for unknown in sorted(set(settings_by_rule) - set(RULES)):
         log.warning("settings for an unknown rule ignored", rule=unknown, engine=history.engine)
@@ -95,4 +100,6 @@ def evaluate_all(history: EngineHistory, settings_by_rule: Mapping[str, BaseMode
             diagnoses.extend(rule.evaluate(history, settings, now))
         except Exception:
             log.exception("rule failed", rule=rule.id, engine=history.engine)
+            if errors is not None:
+                errors[rule.id] += 1
     return diagnoses

@@ -16,6 +16,7 @@ from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "crash_loop"
 TITLE = "Crash loop: the engine keeps exiting"
+CLEAR_FOR_S = 0.0  # it ends by a person's resume (or a fix), never by a value wavering at a threshold
 DESCRIPTION = "the engine exited abnormally several times within minutes, or its manager stopped restarting it"
 
 

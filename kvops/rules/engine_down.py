@@ -14,6 +14,8 @@ from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "engine_down"
 TITLE = "Engine down: health checks failing"
+# Back up means answering again: hold "down" only long enough that one lucky answer amid failures does not clear it.
+CLEAR_FOR_S = 10.0
 DESCRIPTION = "the last health checks of the engine all failed"
 
 

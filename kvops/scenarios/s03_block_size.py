@@ -1,6 +1,11 @@
 """Scenario 3: a poorly chosen block size. The block-size profile (decode steps timed at candidate
 sizes for this model and the recent lengths) shows the configured size measurably slower; kvops
-restarts the engine at the measured best size, and inter-token latency falls."""
+restarts the engine at the measured best size, and inter-token latency falls.
+
+The profile pauses serving, so by default it runs only when the engine is idle. Here the load
+never stops (the fix's judge needs traffic on both sides of it), so the scenario asks for the
+profile on demand once 50 requests have finished, as an operator would
+(`POST /api/engines/{name}/profiles/block-size`)."""
 
 from __future__ import annotations
 
@@ -23,11 +28,14 @@ def run() -> ScenarioResult:
                             command="kvops scenario run block_size")
     args = {"kv_cache_memory": "128MiB", "max_model_len": 1024, "block_size": CONFIGURED, "max_num_seqs": 8}
     rules = {"block_size_mismatch": {"policy": "auto"}}
-    with ScenarioContext(args, rules=rules, supervisor={"verify_after_s": 15}) as ctx:
+    supervisor = {"verify_after_s": 15, "block_size_profile": {"schedule": "on_demand"}}
+    with ScenarioContext(args, rules=rules, supervisor=supervisor) as ctx:
         before_load = start_load(ctx.url, _load(seed=3, duration_s=240))
         try:
-            profile = ctx.wait_until("the block-size profile (after 50 requests)",
-                                     lambda: ctx.history.block_size_profile, 180)
+            ctx.wait_until("50 finished requests",
+                           lambda: ctx.latest is not None and ctx.latest.requests.finished_total >= 50, 120)
+            ctx.sup.profile_block_size(ctx.state.name)
+            profile = ctx.wait_until("the block-size profile", lambda: ctx.history.block_size_profile, 120)
             result.signal_at_s = round(ctx.elapsed(), 2)
             diagnosis, result.diagnosed_at_s = ctx.wait_diagnosis(
                 "block_size_mismatch", 60, where=lambda d: d.fix is not None and d.fix.kind.value == "restart")

@@ -1,5 +1,6 @@
-"""Scenario 10: a clean mixed workload for two minutes gives no diagnosis above info, no fix and no alert.
-Any of them here is a false positive, and a false positive is a bug. It runs in every test run."""
+"""Scenario 10: a clean mixed workload for two minutes gives no diagnosis above info, no fix, no alert and no
+flap (a diagnosis of any severity that cleared and came back). Any of them here is a false positive, and a false
+positive is a bug. It runs in every test run."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from kvops.loadgen import Lengths, LoadSpec, Stream, start_load
 from kvops.scenarios.runner import ScenarioContext, ScenarioResult
 
 NAME = "clean"
-TITLE = "A clean mixed workload for two minutes: no diagnosis above info, no fix, no alert"
+TITLE = "A clean mixed workload for two minutes: no diagnosis above info, no fix, no alert, no flap"
 DURATION_S = 120.0
 
 
@@ -47,13 +48,15 @@ def run(duration_s: float = DURATION_S) -> ScenarioResult:
         report = load.join()
         total = report.total
         fixes = [f"{e.action} {e.rule}" for e in ctx.sup.fixes.audit.entries]
+        flaps = {f"{rule}/{engine}": n for (rule, engine), n in ctx.sup.hysteresis.flaps.items() if n}
         result.evidence = {"requests": total.requests_finished, "failed": total.requests_failed, "diagnoses": seen,
-                           "info": info, "fixes": fixes, "alerts": sorted(alerts)}
+                           "info": info, "fixes": fixes, "alerts": sorted(alerts), "flaps": flaps}
         result.before, result.after = 0.0, float(len(seen))
         result.check("the workload ran", report.total.requests_finished > 0.8 * duration_s * 1.5 * 0.5,
                      f"{report.total.requests_finished} requests finished")
         result.check("no diagnosis above info", not seen, "; ".join(f"{k}: {v}" for k, v in seen.items()))
         result.check("no fix", not fixes, "; ".join(fixes))
         result.check("no alert", not alerts, "; ".join(sorted(alerts)))
+        result.check("no flap", not flaps, ", ".join(f"{k}: {n}" for k, n in flaps.items()))
     result.passed = all(c.passed for c in result.checks)
     return result

@@ -59,6 +59,9 @@ class Diagnosis(BaseModel):
     summary: str  # one line with the numbers, e.g. "free blocks run out in 42 s at the current rate"
     evidence: dict[str, float | int | str | bool | None]
     fix: Fix | None = None
+    # Set while the supervisor holds a diagnosis its rule no longer raises (kvops.supervisor.hysteresis): when
+    # the rule last raised it. It clears once the rule has stayed quiet for its clear_for_s.
+    clearing_since: float | None = None
 
     @property
     def key(self) -> tuple[str, str, str]:

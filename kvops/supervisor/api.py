@@ -9,6 +9,7 @@ GET  /api/engines/{name}/logs?lines=100       the managed engine's latest log li
 GET  /api/prometheus/targets                  every engine as a Prometheus HTTP service-discovery target
 GET  /api/diagnoses                           active diagnoses, all engines
 GET  /api/alerts                              pending and firing alerts
+GET  /api/alerts/dead-letters?limit=100       notifications a receiver refused for good, most recent first
 GET  /api/audit                               the fix audit log
 GET  /api/fixes                               fix jobs, pending and the last finished, oldest first: id (its queued
                                               audit entry), engine, rule, subject, fix, state (queued, applying,
@@ -19,6 +20,9 @@ POST /api/fixes/apply                         {"engine", "rule", "subject"}: que
 POST /api/fixes/{id}/revert                   undo a fix (any of its audit ids) verifying or kept (admin token);
                                               503 when the engine is unreachable: kvops retries the undo itself
 POST /api/engines/{name}/resume               restart a managed engine stopped in a crash loop (admin token)
+GET  /api/engines/{name}/profiles             the latest block-size and KV quantization profiles, and which runs now
+POST /api/engines/{name}/profiles/block-size  run the block-size profile now (admin token; serving pauses 5-15 s);
+                                              202, then GET .../profiles; 409 when off, running or not a kvops engine
 """
 
 from __future__ import annotations
@@ -29,14 +33,17 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvops.schema.audit import AuditEntry
 from kvops.schema.engines import EngineEntry
 from kvops.supervisor import exporter
 from kvops.supervisor.fixes import FixError, RevertPending
 from kvops.supervisor.managed_engine import LOG_TAIL_LINES, ManagedEngine
+from kvops.supervisor.probes import ProbeRefused
 
 if TYPE_CHECKING:
     from kvops.supervisor.supervisor import EngineState, Supervisor
@@ -74,6 +81,20 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
     @app.exception_handler(Refusal)
     async def refused(_: Request, exc: Refusal) -> JSONResponse:
         return _error(exc.status, str(exc))
+
+    # FastAPI's own refusals (a parameter of the wrong type, an unknown route, a wrong method) in the same body
+    # as ours: clients such as kvops top read error.message, not FastAPI's `detail`.
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', '')}" for e in exc.errors())
+        return _error(422, f"invalid request: {problems}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else "request refused"
+        if exc.status_code == 404 and message == "Not Found":
+            message = "no such endpoint: see the list in docs/supervisor.md (GET /api/engines, /api/diagnoses, ...)"
+        return _error(exc.status_code, message)
 
     def require_admin(authorization: str | None) -> None:
         if not sup.admin_token:
@@ -172,6 +193,11 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
     async def alerts() -> list[dict[str, Any]]:
         return [a.model_dump(mode="json") for a in sup.alerter.active_alerts()]
 
+    @app.get("/api/alerts/dead-letters")
+    async def dead_letters(limit: int = 100) -> list[dict[str, Any]]:
+        # capped: the list is for a person to read, the outbox keeps them all for its retention
+        return [d.model_dump(mode="json") for d in sup.alerter.dead_letters(max(1, min(limit, 1000)))]
+
     @app.get("/api/audit")
     async def audit() -> list[dict[str, Any]]:
         return sup.fixes.snapshot()
@@ -202,5 +228,24 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
             raise Refusal(409, f"engine {name!r} is watched, not managed: kvops cannot restart it")
         state.managed.resume_after_crash_loop()
         return JSONResponse({"resumed": name})
+
+    @app.get("/api/engines/{name}/profiles")
+    async def profiles(name: str) -> dict[str, Any]:
+        state = engine_named(name)
+        history = state.history
+        return {"running": state.probes.running or None, "schedule": state.probes.settings.schedule,
+                "block_size": history.block_size_profile.model_dump(mode="json") if history.block_size_profile
+                else None,
+                "kv": history.kv_profile.model_dump(mode="json") if history.kv_profile else None}
+
+    @app.post("/api/engines/{name}/profiles/block-size")
+    def profile_block_size(name: str, authorization: str | None = Header(default=None)) -> JSONResponse:
+        require_admin(authorization)
+        engine_named(name)
+        try:
+            sup.profile_block_size(name)
+        except ProbeRefused as exc:
+            raise Refusal(409, str(exc)) from None
+        return JSONResponse({"engine": name, "profile": "block_size", "started": True}, status_code=202)
 
     return app

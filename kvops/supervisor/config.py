@@ -24,6 +24,7 @@ from kvops.engine.errors import ConfigError
 from kvops.rules import RULES
 from kvops.schema.kinds import WatchKind
 from kvops.supervisor.judge import JudgeSettings
+from kvops.supervisor.probes import BlockSizeProfileSettings
 from kvops.vllm.flags import check_args as check_vllm_args
 
 # The kinds kvops starts itself ("auto" is a kvops engine when managed), how their [engines.args] are checked,
@@ -32,6 +33,9 @@ MANAGED_KINDS = ("auto", "kvops", "vllm")
 VLLM_HEALTH_TIMEOUT_S = 600.0
 
 Policy = Literal["off", "suggest", "auto"]
+
+ENGINE_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+ENGINE_NAME_RULE = "1 to 64 characters of letters, digits, '.', '_' and '-'"
 
 
 class _Strict(BaseModel):
@@ -62,7 +66,7 @@ class RestartPolicy(_Strict):
 class EngineSpec(_Strict):
     """One engine: managed (kvops starts it) or watched (given by URL)."""
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str
     url: str | None = None  # watched engine; a managed one gets http://host:port
     managed: bool = True
     # What a watched engine is: a kvops engine (read from /stats), vLLM or SGLang (read from /metrics through
@@ -77,6 +81,15 @@ class EngineSpec(_Strict):
     health_timeout_s: float = Field(180.0, gt=0)  # a managed vLLM: VLLM_HEALTH_TIMEOUT_S unless given
     drain_timeout_s: float = Field(30.0, gt=0)
     restart: RestartPolicy = Field(default_factory=RestartPolicy)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        # The name goes into the supervisor's URLs, metric labels, alert labels and state; a narrow rule keeps
+        # all of them plain.
+        if not ENGINE_NAME.fullmatch(value):
+            raise ValueError(f"an engine name is {ENGINE_NAME_RULE}, e.g. \"gpu-0\"")
+        return value
 
     @field_validator("url")
     @classmethod
@@ -129,6 +142,8 @@ _ARG_CHECKS = {"auto": _check_kvops_args, "kvops": _check_kvops_args, "vllm": ch
 class RuleConfig(_Strict):
     policy: Policy = "suggest"
     settings: dict[str, Any] = Field(default_factory=dict)  # thresholds, validated by the rule's Settings
+    # Hold a diagnosis this long after the rule stopped raising it (default: the rule's CLEAR_FOR_S)
+    clear_for_s: float | None = Field(None, ge=0)
 
 
 class SupervisorSettings(_Strict):
@@ -140,6 +155,8 @@ class SupervisorSettings(_Strict):
     inconclusive: Literal["rollback", "keep"] = "rollback"  # a fix that cannot be judged, even after one extension
     revert_retry_s: float = Field(10.0, gt=0)  # an undo that cannot reach the engine is retried this often
     judge: JudgeSettings = Field(default_factory=JudgeSettings)  # [supervisor.judge]: traffic and noise bounds
+    # [supervisor.block_size_profile]: off, on demand, or when the engine is idle (the profile pauses serving)
+    block_size_profile: BlockSizeProfileSettings = Field(default_factory=BlockSizeProfileSettings)
     alert_warmup_s: float = Field(30.0, ge=0)  # after start, rules gather data before alerts are evaluated
     admin_token_env: str = "KVOPS_ADMIN_TOKEN"  # the supervisor API's token for applying or reverting fixes
     external_url: str | None = None  # how people reach this supervisor (alert links); default http://listen
@@ -187,6 +204,12 @@ class KvopsConfig(_Strict):
     def policy(self, rule_id: str) -> Policy:
         rule = self.rules.get(rule_id)
         return rule.policy if rule else "suggest"
+
+    def clear_for_s(self, rule_id: str) -> float:
+        rule = self.rules.get(rule_id)
+        if rule is not None and rule.clear_for_s is not None:
+            return rule.clear_for_s
+        return RULES[rule_id].clear_for_s if rule_id in RULES else 0.0
 
     def rule_settings(self) -> dict[str, BaseModel]:
         return {rule_id: RULES[rule_id].settings_type(**rule.settings) for rule_id, rule in self.rules.items()}

@@ -21,6 +21,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from kvops import __version__
+from kvops.rules import RULES
 from kvops.schema.diagnosis import Severity
 from kvops.schema.snapshot import Snapshot
 
@@ -145,6 +146,7 @@ class SupervisorCollector(Collector):
         for severity in Severity:
             severities.add_metric([severity.value], sum(1 for d in sup.diagnoses if d.severity is severity))
         yield severities
+        yield from _self_monitoring(sup, kinds)
 
         fixes = CounterMetricFamily("kvops_fixes", "Fix steps by outcome: proposed, queued, applying, verifying, "
                                     "verified, rolled_back, reverted, failed.", labels=["engine", "rule", "outcome"])
@@ -173,13 +175,55 @@ class SupervisorCollector(Collector):
             failures.add_metric([receiver], count)
         yield deliveries
         yield failures
+        # alerting watching itself (docs/alerting.md, "When kvops itself fails"): per receiver, so one that
+        # is down, refusing or disabled shows by name
+        dead = CounterMetricFamily("kvops_alert_dead_letters", "Notifications a receiver refused for good "
+                                   "(4xx other than 408/429, twice): kept in the outbox, not retried.",
+                                   labels=["receiver"])
         yield GaugeMetricFamily("kvops_alert_outbox_pending", "Notifications waiting in the outbox.",
                                 value=stats.pending)
+        pending = GaugeMetricFamily("kvops_alert_receiver_pending", "Notifications waiting in the outbox for the "
+                                    "receiver.", labels=["receiver"])
+        oldest = GaugeMetricFamily("kvops_alert_outbox_oldest_pending_age_seconds", "Age of the oldest "
+                                   "notification waiting in the outbox (0 when none).", labels=["receiver"])
+        last = GaugeMetricFamily("kvops_alert_last_delivery_timestamp_seconds", "Last delivery (2xx) to the "
+                                 "receiver, unix seconds (0 before any).", labels=["receiver"])
+        enabled = GaugeMetricFamily("kvops_alert_receiver_enabled", "1 when the receiver is in use, 0 when "
+                                    "disabled (its secret's environment variable is unset).", labels=["receiver"])
+        for receiver, state in sorted(stats.receivers.items()):
+            dead.add_metric([receiver], state.dead_letters)
+            pending.add_metric([receiver], state.pending)
+            oldest.add_metric([receiver], state.oldest_pending_age_s or 0.0)
+            last.add_metric([receiver], state.last_delivered_at or 0.0)
+            enabled.add_metric([receiver], 1 if state.enabled else 0)
+        yield from (dead, pending, oldest, last, enabled)
         firing = GaugeMetricFamily("kvops_alerts", "Alerts by state.", labels=["state"])
         alerts = sup.alerter.active_alerts()
         for state in ("pending", "firing"):
             firing.add_metric([state], sum(1 for a in alerts if a.state == state))
         yield firing
+
+
+def _self_monitoring(sup: Supervisor, kinds: dict[str, str]) -> Iterator[Metric]:
+    """kvops's own faults: rules that raised, and diagnoses that cleared and came back (flaps). Every rule
+    and engine has its series from the start, so the first error is an increase Prometheus can see."""
+    rule_errors = CounterMetricFamily("kvops_rule_errors", "Rule evaluations that raised an exception (the rule "
+                                      "was skipped that poll; the supervisor log has the traceback).",
+                                      labels=["rule", *ENGINE_LABELS])
+    flaps = CounterMetricFamily("kvops_diagnosis_flaps", "Diagnoses raised again within 10 minutes of clearing "
+                                "(after their clear_for_s).", labels=["rule", *ENGINE_LABELS])
+    for name, kind in kinds.items():
+        for rule in RULES:
+            rule_errors.add_metric([rule, name, kind], sup.rule_errors.get((rule, name), 0))
+            flaps.add_metric([rule, name, kind], sup.hysteresis.flaps.get((rule, name), 0))
+    yield rule_errors
+    yield flaps
+    profiling = GaugeMetricFamily("kvops_engine_profiling", "1 while kvops profiles the engine (serving pauses; "
+                                  "failed polls then do not count as down).", labels=["profile", *ENGINE_LABELS])
+    for name, state in sup.engines.items():
+        for profile in ("kv", "block_size"):
+            profiling.add_metric([profile, name, kinds[name]], 1 if state.probes.running == profile else 0)
+    yield profiling
 
 
 def render(supervisor: Supervisor) -> tuple[bytes, str]:

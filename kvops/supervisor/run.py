@@ -69,24 +69,34 @@ def check_managed_vllm(config: KvopsConfig, source: str, flags: bool) -> None:
             raise ConfigError(f"{where}: {exc}") from None
 
 
+def warn_disabled_receivers(config: KvopsConfig, source: str) -> list[str]:
+    """The receivers a missing secret disables, one warning line each on stderr: the same lines from `kvops run`
+    and from `kvops run --check-config` (kvops.alerting.receiver_problems decides for both). Their names."""
+    from kvops.alerting import receiver_problems
+
+    problems = receiver_problems(config.alerting)
+    for problem in problems:
+        print(f"warning: {source}: {problem.message}", file=sys.stderr, flush=True)
+    return [p.receiver for p in problems]
+
+
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    check_managed_vllm(config, args.config or "config", flags=args.check_config)
+    source = args.config or "config"
+    check_managed_vllm(config, source, flags=args.check_config)
+    disabled = warn_disabled_receivers(config, source)
     if args.check_config:
         engines = ", ".join(f"{e.name} ({'managed' if e.managed else e.url})" for e in config.engines)
-        print(f"{args.config or 'defaults'}: OK — engines: {engines}; listen {config.supervisor.listen}; "
-              f"{len(config.alerting.receivers)} alert receiver(s)")
+        receivers = f"{len(config.alerting.receivers)} alert receiver(s)"
+        if disabled:
+            receivers += f" ({len(disabled)} disabled: {', '.join(disabled)})"
+        print(f"{args.config or 'defaults'}: OK — engines: {engines}; listen {config.supervisor.listen}; {receivers}")
         return 0
-    from kvops.alerting import AlertingConfigError
-    from kvops.engine.errors import ConfigError
     from kvops.serving import serve
     from kvops.supervisor.api import build_supervisor_app
     from kvops.supervisor.supervisor import Supervisor
 
-    try:
-        supervisor = Supervisor(config, admin_token=os.environ.get(config.supervisor.admin_token_env))
-    except AlertingConfigError as exc:
-        raise ConfigError(f"{args.config or 'config'}: alerting: {exc}") from None
+    supervisor = Supervisor(config, admin_token=os.environ.get(config.supervisor.admin_token_env))
     host, port = config.supervisor.listen.rsplit(":", 1)
     supervisor.start()
     try:

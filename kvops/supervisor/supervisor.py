@@ -2,9 +2,11 @@
 
 Every poll interval it checks each managed engine's process (restarting it when it died), reads
 each engine's snapshot into its history, evaluates the rules, hands the diagnoses to the
-alerter, and proposes, applies and judges fixes by policy. Profiles that take an engine a few
-seconds (the KV quantization error profile, the block-size measurement) run in a side thread on
-their own schedule, so polling never waits for them.
+alerter, and proposes, applies and judges fixes by policy. A diagnosis clears only after its rule
+has stayed quiet for a while (kvops.supervisor.hysteresis). Profiles that take an engine a few
+seconds run in a side thread on their own schedule (kvops.supervisor.probes), so polling never
+waits for them. kvops's own faults (rules that raise, alerts that cannot be delivered) are
+counted for /metrics and raised as diagnoses of their own (kvops.alerting's self diagnoses).
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -30,14 +34,13 @@ from kvops.supervisor.engine_client import EngineClient, EngineUnreachable
 from kvops.supervisor.fix_jobs import real_judge
 from kvops.supervisor.fixes import FixManager, Target
 from kvops.supervisor.history import EngineHistory, HealthSample, at_start
+from kvops.supervisor.hysteresis import Hysteresis
 from kvops.supervisor.managed_engine import ManagedEngine
+from kvops.supervisor.probes import ProbeRefused, Probes
 
 log = structlog.get_logger("kvops.supervisor")
 
-KV_PROFILE_INTERVAL_S = 3600.0
-BLOCK_SIZE_PROFILE_INTERVAL_S = 3600.0
 DATA_WINDOW_S = 60.0  # implausible data is judged over the last minute's snapshots
-BLOCK_SIZE_PROFILE_MIN_REQUESTS = 50  # measure on a real length distribution, not an empty one
 
 
 @dataclass
@@ -45,13 +48,11 @@ class EngineState:
     spec: EngineSpec
     history: EngineHistory
     client: EngineClient
+    probes: Probes
     managed: ManagedEngine | None = None
     last_error: str = ""
     ready: bool = False  # answered since its last (re)start
     diagnoses: list[Diagnosis] = field(default_factory=list)
-    next_kv_profile_at: float = 0.0
-    next_block_size_profile_at: float = 0.0
-    probing: bool = False
     process_seen: object = None  # the managed process last polled: a different one means a (re)start
     data_problems: list[str] = field(default_factory=list)  # kvops.adapters.plausibility's, latest poll
 
@@ -80,14 +81,17 @@ class Supervisor:
         self.engines: dict[str, EngineState] = {}
         for spec in config.engines:
             history = EngineHistory(spec.name, managed=spec.managed)
+            probes = Probes(spec.name, history, settings.block_size_profile, clock=clock)
             if spec.managed:
                 managed = ManagedEngine(spec, history, clock=clock)
-                state = EngineState(spec, history, managed.client(), managed)
+                state = EngineState(spec, history, managed.client(), probes, managed)
             else:
                 token = _env(spec.admin_token_env)
                 # Any server: kvops engines through /stats, vLLM and SGLang through /metrics (kvops.adapters).
-                state = EngineState(spec, history, WatchedEngineClient(str(spec.url), spec.kind, token))
+                state = EngineState(spec, history, WatchedEngineClient(str(spec.url), spec.kind, token), probes)
             self.engines[spec.name] = state
+        self.hysteresis = Hysteresis(config.clear_for_s)
+        self.rule_errors: Counter[tuple[str, str]] = Counter()  # (rule, engine) -> evaluations that raised
         self.fixes = FixManager(AuditLog(state_dir / "audit.jsonl"), self._target, settings.verify_after_s,
                                 state_path=state_dir / "fix_jobs.json", cooldown_s=settings.fix_cooldown_s,
                                 inconclusive=settings.inconclusive, revert_retry_s=settings.revert_retry_s,
@@ -100,6 +104,8 @@ class Supervisor:
         self.poll_errors: dict[str, int] = {name: 0 for name in self.engines}
         self.last_poll_s = 0.0
         self._stop = threading.Event()
+        # Engines are read side by side: one that hangs until its timeout must not delay the others' snapshots.
+        self._readers = ThreadPoolExecutor(max_workers=min(16, len(self.engines)), thread_name_prefix="kvops-poll")
         self._thread = threading.Thread(target=self._run, name="kvops-supervisor", daemon=True)
         self._lock = threading.RLock()
 
@@ -124,6 +130,7 @@ class Supervisor:
         if self._thread.is_alive():
             self._thread.join(timeout=30)
         self.fixes.stop()
+        self._readers.shutdown(wait=True)
         for state in self.engines.values():
             if state.managed is not None:
                 state.managed.stop()
@@ -147,21 +154,35 @@ class Supervisor:
         started = time.perf_counter()
         with self._lock:
             now = self.clock()
+            list(self._readers.map(lambda state: self._read_engine(state, now), self.engines.values()))
+            raised: list[Diagnosis] = []
             for state in self.engines.values():
-                self._poll_engine(state, now)
-            diagnoses: list[Diagnosis] = []
+                errors: Counter[str] = Counter()
+                raised.extend(evaluate_all(state.history, self.rule_settings, now, errors))
+                for rule, count in errors.items():
+                    self.rule_errors[(rule, state.name)] += count
+            held = self.hysteresis.update(raised, now)
             for state in self.engines.values():
-                state.diagnoses = evaluate_all(state.history, self.rule_settings, now)
-                diagnoses.extend(state.diagnoses)
+                state.diagnoses = [d for d in held if d.engine == state.name]
+            diagnoses = held + self.alerter.self_diagnoses(now)
             self.diagnoses = diagnoses
             # Alerts start once the rules have had time to see data: evaluating earlier would resolve
             # the alerts restored from the outbox only to fire them again a minute later.
             if now - self.started_at >= self.config.supervisor.alert_warmup_s:
                 self.alerter.evaluate([d for d in diagnoses if d.severity is not Severity.INFO], now)
-            self.fixes.consider(diagnoses, self.config.policy)  # only enqueues: jobs run on their own threads
+            # Fixes act on what the rules see now, not on what hysteresis still holds.
+            self.fixes.consider(raised, self.config.policy)  # only enqueues: jobs run on their own threads
             self.polls_total += 1
             self.last_poll_s = time.perf_counter() - started
             return diagnoses
+
+    def _read_engine(self, state: EngineState, now: float) -> None:
+        try:
+            self._poll_engine(state, now)
+        except Exception as exc:  # a bug reading one engine must not stop the others' polls
+            self.poll_errors[state.name] += 1
+            state.last_error = f"poll failed in kvops: {type(exc).__name__}: {exc}"
+            log.exception("poll failed", engine=state.name)
 
     def _poll_engine(self, state: EngineState, now: float) -> None:
         managed = state.managed
@@ -175,8 +196,7 @@ class Supervisor:
                 # A new process (maybe with new settings): wait for it to answer before judging it, and
                 # measure it afresh.
                 state.ready = False
-                state.history.kv_profile = state.history.block_size_profile = None
-                state.next_kv_profile_at = state.next_block_size_profile_at = 0.0
+                state.probes.reset()
             if not running:
                 why = "crash loop: not restarting" if state.history.crash_loop else "engine process exited"
                 why = f"{why}; its last lines: {managed.output_tail()}"
@@ -188,6 +208,9 @@ class Supervisor:
         except EngineUnreachable as exc:
             self.poll_errors[state.name] += 1
             state.last_error = str(exc)
+            if state.probes.busy:  # serving pauses while a profile runs: busy, not down
+                state.last_error = f"profiling ({state.probes.running.replace('_', '-')}): {exc}"
+                return
             # A managed engine still loading its model is not down, until its health timeout passes.
             loading = managed is not None and not state.ready
             if not loading or now - managed.started_at >= state.spec.health_timeout_s:  # type: ignore[union-attr]
@@ -221,33 +244,21 @@ class Supervisor:
     # --------------------------------------------------------------- probes
 
     def _schedule_probes(self, state: EngineState, quantized: bool, finished: int, now: float) -> None:
-        if state.probing or state.client.admin_token is None:
+        token = state.client.admin_token
+        if state.probes.busy or token is None:
             return
-        due_kv = quantized and now >= state.next_kv_profile_at
-        due_bs = finished >= BLOCK_SIZE_PROFILE_MIN_REQUESTS and now >= state.next_block_size_profile_at
-        if not (due_kv or due_bs):
-            return
-        state.probing = True
-        threading.Thread(target=self._probe, args=(state, due_kv, due_bs), daemon=True,
-                         name=f"kvops-probe-{state.name}").start()
+        kv, block_size = state.probes.due(quantized, finished, now)
+        if kv or block_size:
+            state.probes.start(state.url, token, kv, block_size)
 
-    def _probe(self, state: EngineState, kv: bool, block_size: bool) -> None:
-        client = EngineClient(state.url, state.client.admin_token)
-        try:
-            if kv:
-                state.next_kv_profile_at = self.clock() + KV_PROFILE_INTERVAL_S
-                state.history.kv_profile = client.kv_quant_profile()
-                log.info("kv quantization profile", engine=state.name, flagged=state.history.kv_profile.flagged)
-            if block_size:
-                state.next_block_size_profile_at = self.clock() + BLOCK_SIZE_PROFILE_INTERVAL_S
-                state.history.block_size_profile = client.block_size_profile()
-                profile = state.history.block_size_profile
-                log.info("block size profile", engine=state.name, configured=profile.configured, best=profile.best)
-        except EngineUnreachable as exc:
-            log.warning("profile failed", engine=state.name, error=str(exc))
-        finally:
-            client.close()
-            state.probing = False
+    def profile_block_size(self, engine: str) -> None:
+        """On demand: measure the engine's decode step at other block sizes now. ProbeRefused says why not."""
+        state = self.engines[engine]
+        latest = state.history.latest
+        if latest is None or latest.source != "kvops":
+            raise ProbeRefused(f"{engine}: the block-size profile is a kvops engine's admin call "
+                               f"({'no snapshot yet' if latest is None else f'this is {latest.source}'})")
+        state.probes.request_block_size(state.url, state.client.admin_token)
 
 
 def _set_args(managed: ManagedEngine, args: dict[str, Any]) -> None:

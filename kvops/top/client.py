@@ -16,6 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+from urllib.parse import quote
 
 import httpx
 from pydantic import TypeAdapter, ValidationError
@@ -25,8 +26,40 @@ from kvops.schema.diagnosis import Diagnosis
 from kvops.schema.engines import EngineEntry, LogLine
 from kvops.schema.snapshot import Snapshot
 
-DEFAULT_URL = "http://127.0.0.1:9400"
+DEFAULT_URL = "http://127.0.0.1:9400"  # `kvops run --listen`'s default
+URL_ENV = "KVOPS_TOP_URL"  # the supervisor `kvops top` shows when --attach is not given
 ADMIN_TOKEN_ENV = "KVOPS_ADMIN_TOKEN"
+PROBE_TIMEOUT_S = 3.0  # as long as the client's own calls: a busy supervisor is still one
+
+
+def normalize_url(url: str) -> str:
+    """`host:port` or a full URL, without the trailing slash."""
+    return (url if "://" in url else f"http://{url}").rstrip("/")
+
+
+def probe(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """None when a kvops supervisor answers at `url` (its /health counts engines); otherwise why
+    not, in a few words, for the message that says nothing answers there."""
+    try:
+        response = httpx.get(f"{normalize_url(url)}/health", timeout=timeout_s)
+    except httpx.ConnectError:
+        return "connection refused"  # by far the usual case: nothing listens on that port
+    except httpx.TimeoutException:
+        return f"no answer within {timeout_s:g} s"
+    except httpx.HTTPError as exc:
+        return f"{type(exc).__name__}: {exc or 'no answer'}"
+    if response.status_code != 200:
+        return f"GET /health answered HTTP {response.status_code}: not a kvops supervisor"
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict) or "engines" not in body:
+        # A kvops engine answers /health too (with its model): a common mix-up of the two ports.
+        hint = " (a kvops engine? attach to the supervisor that watches it)" if isinstance(body, dict) \
+            and "model" in body else ""
+        return f"something answers, but not a kvops supervisor{hint}"
+    return None
 
 
 class SupervisorUnreachable(Exception):
@@ -68,9 +101,7 @@ class Source(Protocol):
 
 class SupervisorClient:
     def __init__(self, url: str = DEFAULT_URL, admin_token: str | None = None, timeout_s: float = 3.0) -> None:
-        if "://" not in url:
-            url = f"http://{url}"
-        self.url = url.rstrip("/")
+        self.url = normalize_url(url)
         self.admin_token = admin_token or None
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
 
@@ -118,11 +149,11 @@ class SupervisorClient:
         return self._parse(_engines, self._request("GET", "/api/engines"), "/api/engines")
 
     def snapshot(self, name: str) -> Snapshot:
-        body = self._request("GET", f"/api/engines/{name}/snapshot")
+        body = self._request("GET", f"/api/engines/{quote(name, safe='')}/snapshot")
         return self._parse(TypeAdapter(Snapshot), body, f"the snapshot of {name!r}")
 
     def history(self, name: str, seconds: float = 60.0) -> list[Snapshot]:
-        body = self._request("GET", f"/api/engines/{name}/history", params={"seconds": seconds})
+        body = self._request("GET", f"/api/engines/{quote(name, safe='')}/history", params={"seconds": seconds})
         return self._parse(_snapshots, body, f"the history of {name!r}")
 
     def diagnoses(self) -> list[Diagnosis]:
@@ -136,7 +167,7 @@ class SupervisorClient:
         return self._parse(_jobs, self._request("GET", "/api/fixes"), "/api/fixes")
 
     def logs(self, name: str, lines: int = 100) -> list[LogLine]:
-        body = self._request("GET", f"/api/engines/{name}/logs", params={"lines": lines})
+        body = self._request("GET", f"/api/engines/{quote(name, safe='')}/logs", params={"lines": lines})
         return self._parse(_logs, body, f"the log of {name!r}")
 
     def apply_fix(self, engine: str, rule: str, subject: str = "") -> AuditEntry:

@@ -1,4 +1,4 @@
-"""The supervisor `kvops top` starts when none is running: `kvops run` as a child process.
+"""The supervisor `kvops top --start` / `--demo` starts for the session: `kvops run` as a child process.
 
 A child process rather than threads in the TUI's own process: the supervisor's log goes to a
 file instead of over the screen, and the TUI stays responsive while the engine loads. The child
@@ -16,21 +16,17 @@ import sys
 from collections import deque
 from pathlib import Path
 
-import httpx
 import platformdirs
 
 from kvops.processes import die_with_parent, free_port
+from kvops.top.client import probe
 
 STOP_TIMEOUT_S = 40.0  # the supervisor drains its engine (up to its drain timeout) before exiting
 
 
 def supervisor_answers(url: str, timeout_s: float = 0.5) -> bool:
     """True when a kvops supervisor answers at `url` (its /health says how many engines it runs)."""
-    try:
-        response = httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s)
-        return response.status_code == 200 and "engines" in response.json()
-    except (httpx.HTTPError, ValueError):
-        return False
+    return probe(url, timeout_s) is None
 
 
 def default_state_dir() -> Path:
