@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
+from alerting_outbox import Receiver
 
 from kvops.engine.config import EngineConfig
 from kvops.engine.llm import LLM
@@ -65,3 +68,12 @@ def hf_greedy(llm: LLM, chat_prompts: list[list[int]]) -> list[list[int]]:
             outputs.append(generated)
     del model
     return outputs
+
+
+@pytest.fixture
+def receivers() -> Iterator[list[Receiver]]:
+    """Webhook receivers a test starts (it appends them); stopped after the test."""
+    started: list[Receiver] = []
+    yield started
+    for receiver in started:
+        receiver.stop()

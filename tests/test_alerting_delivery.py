@@ -47,14 +47,6 @@ def fast_config(receivers: list[dict[str, Any]], **overrides: Any) -> AlertingCo
 
 
 @pytest.fixture
-def receivers() -> Iterator[list[Receiver]]:
-    started: list[Receiver] = []
-    yield started
-    for receiver in started:
-        receiver.stop()
-
-
-@pytest.fixture
 def alerters() -> Iterator[list[Alerter]]:
     made: list[Alerter] = []
     yield made

@@ -66,14 +66,6 @@ def metric(sup: Supervisor, name: str, receiver: str) -> float:
 
 
 @pytest.fixture
-def receivers() -> Iterator[list[Receiver]]:
-    started: list[Receiver] = []
-    yield started
-    for hook in started:
-        hook.stop()
-
-
-@pytest.fixture
 def make_supervisor(tmp_path: Path) -> Iterator[Callable[..., Supervisor]]:
     """A real Supervisor (its Alerter, /metrics, API) watching nothing that answers; never polled."""
     made: list[Supervisor] = []
