@@ -95,8 +95,13 @@ class EngineConfig:
                "(default: %(default)s)", choices=NORMALIZATION_MODES)
     seed: int = setting(0, "global sampling seed (default: %(default)s)")
     kv_cache_dtype: str = setting(
-        "auto", "KV storage: auto (the model dtype), int8 (scale per token and head), fp8 (e4m3, scale 1.0 per "
-                "layer), int4 (grouped, asymmetric) (default: %(default)s)", choices=KV_CACHE_DTYPES)
+        "auto", "KV storage: auto (the model dtype), int8 (scale per token and head), fp8 (e4m3, one K and one V "
+                "scale per layer, see --kv-cache-scale), int4 (grouped, asymmetric) (default: %(default)s)",
+        choices=KV_CACHE_DTYPES)
+    kv_cache_scale: str | float = setting(
+        "calibrate", "fp8 KV: each layer's K and V scale. calibrate: from the first K/V written to the layer (amax "
+                     "x 1.5 / 448), then fixed; a number: that fixed scale, e.g. 1.0, what vLLM uses when the "
+                     "checkpoint carries no scales (default: %(default)s)", metavar="calibrate|SCALE")
     kv_cache_group_size: int = setting(
         32, "int4 KV: channels per scale and zero point (default: %(default)s)", choices=INT4_GROUP_SIZES)
     kv_cache_dtype_skip_layers: str | Sequence[int | str] = setting(
@@ -132,6 +137,17 @@ class EngineConfig:
              "by --kv-cache-memory when that is set to anything but its default (default: %(default)s)",
         metavar="FRACTION")
 
+    @property
+    def fixed_kv_scale(self) -> float | None:
+        """--kv-cache-scale as a number; None for calibrate."""
+        if str(self.kv_cache_scale) == "calibrate":
+            return None
+        try:
+            return float(self.kv_cache_scale)
+        except ValueError:
+            raise ConfigError(f"--kv-cache-scale {self.kv_cache_scale!r} is neither 'calibrate' nor a number: give "
+                              "e.g. 1.0 for a fixed scale, or calibrate") from None
+
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         self.swap_space = parse_bytes(self.swap_space)
@@ -160,6 +176,8 @@ class EngineConfig:
                               "KVOPS_API_KEYS (the keys go in the variable, not on the command line)")
         if self.debug_scale_k and not re.fullmatch(r"\d+:[0-9.eE+-]+", self.debug_scale_k):
             raise ConfigError(f"--debug-scale-k {self.debug_scale_k!r}: write LAYER:FACTOR, e.g. 3:1000")
+        if self.fixed_kv_scale is not None and not 0 < self.fixed_kv_scale < float("inf"):
+            raise ConfigError(f"--kv-cache-scale must be a positive number or 'calibrate' (got {self.kv_cache_scale})")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"--device {self.device!r} is not a device kvops runs on: use auto, cpu, cuda or "
                               "cuda:N (N = the CUDA device index, e.g. cuda:1)")

@@ -5,6 +5,9 @@ serving pool is not touched). Each layer's K and V are also kept in full precisi
 produced; at the chosen decode steps the dequantized cache is compared with them, token by token
 and head by head (cosine similarity, averaged). A layer below the threshold is one to keep in the
 model dtype (`--kv-cache-dtype-skip-layers`).
+
+fp8 layers use the serving pool's calibrated scales when it has them (so the profile measures what
+serving stores); otherwise they calibrate on the profile's own prefill, as a fresh pool would.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch.nn.functional as F
 from kvops import kernels
 from kvops.engine.errors import InvalidRequestError
 from kvops.engine.kv_pool import layer_kv_dtypes
-from kvops.engine.kv_quality import private_kv_pool
+from kvops.engine.kv_quality import private_kv_pool, share_fp8_scales
 from kvops.kernels import AttentionMetadata, PrefillSpan
 from kvops.schema.reports import KVQuantProfile, LayerKVError
 
@@ -71,6 +74,7 @@ def profile_kv_error(
     tables = [torch.arange(i * blocks_per_seq, (i + 1) * blocks_per_seq) for i in range(len(prompts))]
     quantized = private_kv_pool(engine, kinds, blocks_per_seq * len(prompts), config.kv_cache_group_size)
     reference = private_kv_pool(engine, ["auto"] * model.num_layers, blocks_per_seq * len(prompts), 32)
+    scale_source = share_fp8_scales(engine.kv_pool.device, quantized)
 
     def slots_of(seq: int, positions: torch.Tensor) -> torch.Tensor:
         return tables[seq][positions // block_size] * block_size + positions % block_size
@@ -99,6 +103,7 @@ def profile_kv_error(
     lengths = torch.tensor([len(p) for p in prompts])
 
     cosines: dict[int, dict[str, dict[int, float]]] = {i: {"k": {}, "v": {}} for i in range(model.num_layers)}
+    rel_errors: dict[int, list[float]] = {}
     compared = 0
     for step in range(1, steps[-1] + 1):
         slot_mapping = torch.stack([slots_of(seq, lengths[seq : seq + 1])[0] for seq in range(len(prompts))])
@@ -110,21 +115,30 @@ def profile_kv_error(
             context = torch.cat([slots_of(seq, torch.arange(int(lengths[seq]))) for seq in range(len(prompts))])
             compared = int(context.numel())
             for layer in range(model.num_layers):
-                cos = F.cosine_similarity(kernels.gather_kv(quantized[layer], context).float(),
-                                          kernels.gather_kv(reference[layer], context).float(), dim=-1)
+                got = kernels.gather_kv(quantized[layer], context).float()
+                want = kernels.gather_kv(reference[layer], context).float()
+                cos = F.cosine_similarity(got, want, dim=-1)
                 cosines[layer]["k"][step] = round(float(cos[0].mean()), 6)
                 cosines[layer]["v"][step] = round(float(cos[1].mean()), 6)
+                # Overwritten at every compared step: the last one (the longest context) is reported.
+                rel = (got - want).flatten(1).norm(dim=1) / want.flatten(1).norm(dim=1).clamp_min(1e-12)
+                rel_errors[layer] = [round(float(x), 6) for x in rel]
 
     layers = []
     for layer, kind in enumerate(kinds):
         worst = min(min(cosines[layer]["k"].values()), min(cosines[layer]["v"].values()))
+        scales = quantized[layer].scale.tolist() if kind == "fp8" else [None, None]  # type: ignore[union-attr]
         layers.append(LayerKVError(layer=layer, kv_dtype=engine.dtype_name if kind == "auto" else kind,
                                    k_cosine=cosines[layer]["k"], v_cosine=cosines[layer]["v"],
-                                   min_cosine=worst, below_threshold=worst < threshold))
+                                   min_cosine=worst, below_threshold=worst < threshold,
+                                   k_rel_error=rel_errors[layer][0], v_rel_error=rel_errors[layer][1],
+                                   k_scale=scales[0], v_scale=scales[1]))
     return KVQuantProfile(
         kv_cache_dtype=engine.dtype_name if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
         group_size=config.kv_cache_group_size if config.kv_cache_dtype == "int4" else None,
         skip_layers=list(config.kv_cache_dtype_skip_layers), threshold=threshold, steps=steps,
         prompts=len(prompts), tokens_compared=compared, duration_s=round(time.perf_counter() - started, 3),
         layers=layers, flagged=[entry.layer for entry in layers if entry.below_threshold],
+        fp8_scales=scale_source if "fp8" in kinds else None,
     )
+

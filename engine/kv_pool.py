@@ -88,7 +88,7 @@ def allocate_kv_pool(config: EngineConfig, num_layers: int, num_kv_heads: int, h
 
     def pool(num_blocks: int, where: torch.device, pinned: bool = False) -> list[KVCacheLayer]:
         return [kernels.allocate_kv_cache_layer(kind, num_blocks, config.block_size, num_kv_heads, head_dim,
-                                                dtype, group, where, pinned) for kind in kinds]
+                                                dtype, group, where, pinned, config.fixed_kv_scale) for kind in kinds]
 
     host = pool(num_host_blocks, torch.device("cpu"), device.type == "cuda") if num_host_blocks else []
     return KVPool(kinds, bytes_per_token, capacity, pool(capacity.num_blocks, device), host)

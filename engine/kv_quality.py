@@ -1,7 +1,8 @@
 """Measuring what a KV dtype does to the model, outside the serving pool.
 
 Both the error profile and the quality benchmark run the model over a private cache in the KV
-dtype under test, so nothing they do touches the blocks that serve requests.
+dtype under test, so nothing they do touches the blocks that serve requests. Their fp8 layers take
+the serving pool's calibrated scales when it has them, so they measure what serving stores.
 """
 
 from __future__ import annotations
@@ -28,6 +29,20 @@ def private_kv_pool(engine: LLMEngine, kinds: Sequence[str], num_blocks: int, gr
             for kind in kinds]
 
 
+def share_fp8_scales(serving: Sequence[KVCacheLayer], private: Sequence[KVCacheLayer]) -> str:
+    """Give each private fp8 layer the serving layer's scales where those are calibrated; say where the
+    private scales come from: "serving", "calibrated" (on the private pool's first write) or "fixed"."""
+    if any(layer.kind == "fp8" and layer.scale_fixed for layer in private):
+        return "fixed"  # allocated under `fixed_fp8_scale`: nothing to calibrate or share
+    shared = False
+    for mine, theirs in zip(private, serving, strict=True):
+        if mine.kind == theirs.kind == "fp8" and theirs.scale_fixed:
+            assert mine.scale is not None and theirs.scale is not None
+            mine.scale.copy_(theirs.scale)
+            mine.scale_fixed = shared = True
+    return "serving" if shared else "calibrated"
+
+
 @dataclass
 class TextScore:
     perplexity: float
@@ -42,6 +57,7 @@ def score_text(engine: LLMEngine, token_ids: Sequence[int], chunk: int = 256) ->
     block_size = engine.config.block_size
     pool = private_kv_pool(engine, engine.kv_pool.layer_dtypes, -(-len(token_ids) // block_size),
                            engine.config.kv_cache_group_size)
+    share_fp8_scales(engine.kv_pool.device, pool)
     table = torch.arange(pool[0].num_blocks)
     ids = torch.tensor(list(token_ids))
     log_likelihood = 0.0
@@ -55,6 +71,6 @@ def score_text(engine: LLMEngine, token_ids: Sequence[int], chunk: int = 256) ->
         logits = engine.model.forward(ids[start:end], positions, meta, pool, torch.arange(end - start))
         scored = min(end, len(ids) - 1) - start  # the last token has no next token to score
         logprobs = torch.log_softmax(logits[:scored], dim=-1)
-        log_likelihood += float(logprobs.gather(1, ids[start + 1 : start + 1 + scored, None]).sum())
+        log_likelihood += float(logprobs.gather(1, ids[start + 1 : start + 1 + scored, None].to(logprobs.device)).sum())
         predictions.extend(logits[:scored].argmax(-1).tolist())
     return TextScore(math.exp(-log_likelihood / (len(ids) - 1)), predictions)

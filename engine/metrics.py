@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 
 from kvops.engine.config import DEFAULT_MAX_TENANT_LABELS
 from kvops.engine.stats import LATENCY_BUCKETS
-from kvops.schema.snapshot import BLOCK_STATE_CODES, Snapshot, TenantStats
+from kvops.schema.snapshot import BLOCK_STATE_CODES, ProcessStats, Snapshot, TenantStats
 
 log = structlog.get_logger("kvops.engine.metrics")
 
@@ -243,19 +243,42 @@ def snapshot_families(snap: Snapshot, labels: TenantLabels | None = None) -> Ite
                  "CPU used by the engine process, in cores (psutil cpu_percent / 100; above 1 on several cores).",
                  process.cpu_percent / 100.0)
     yield _gauge("kvops_process_threads", "Threads of the engine process.", process.num_threads)
-    gpu_labels = ["gpu", "name"]
-    gpu_used = GaugeMetricFamily("kvops_gpu_memory_used_bytes", "GPU memory in use (NVML).", labels=gpu_labels)
-    gpu_total = GaugeMetricFamily("kvops_gpu_memory_total_bytes", "GPU memory in total (NVML).", labels=gpu_labels)
-    gpu_util = GaugeMetricFamily("kvops_gpu_utilization_ratio", "GPU busy fraction over the last sample (NVML).",
-                                 labels=gpu_labels)
+    yield from gpu_families(process)
+
+
+def gpu_families(process: ProcessStats) -> Iterator[Metric]:
+    """Per GPU NVML reads (label `gpu`: NVML's index, `name`): a series only for a fact that was read, so a
+    CPU engine, a missing NVML or an unknown split has no series rather than a 0; `kvops_gpu_status_info`
+    says why (its `status` is the snapshot's `gpu_status`)."""
+    status = GaugeMetricFamily("kvops_gpu_status_info", "Why GPU series are present or not: status is \"ok\" or "
+                               "the reason (no GPU: the engine runs on cpu, NVML unavailable: ...); always 1.",
+                               labels=["status"])
+    status.add_metric([process.gpu_status], 1)
+    yield status
+    labels = ["gpu", "name"]
+    families = {
+        "total": GaugeMetricFamily("kvops_gpu_memory_total_bytes", "GPU memory in total (NVML).", labels=labels),
+        "used": GaugeMetricFamily("kvops_gpu_memory_used_bytes", "GPU memory in use by every process (NVML).",
+                                  labels=labels),
+        "free": GaugeMetricFamily("kvops_gpu_memory_free_bytes", "GPU memory free (NVML).", labels=labels),
+        "kvops": GaugeMetricFamily("kvops_gpu_memory_used_by_kvops_bytes", "GPU memory held by this engine process "
+                                   "(NVML per-process list, else torch's reserved memory).", labels=labels),
+        "others": GaugeMetricFamily("kvops_gpu_memory_used_by_others_bytes", "GPU memory in use by other processes "
+                                    "and the driver (used minus this engine's).", labels=labels),
+        "util": GaugeMetricFamily("kvops_gpu_utilization_ratio", "GPU busy fraction over NVML's last sample "
+                                  "period.", labels=labels),
+        "engine": GaugeMetricFamily("kvops_gpu_engine_device", "1 on the GPU the engine runs on, 0 on the others "
+                                    "listed.", labels=labels),
+    }
     for gpu in process.gpus:
-        labels = [str(gpu.index), gpu.name]
-        gpu_used.add_metric(labels, gpu.memory_used_bytes)
-        gpu_total.add_metric(labels, gpu.memory_total_bytes)
-        gpu_util.add_metric(labels, gpu.utilization_percent / 100.0)
-    yield gpu_used
-    yield gpu_total
-    yield gpu_util
+        values = {"total": gpu.memory_total_bytes, "used": gpu.memory_used_bytes, "free": gpu.memory_free_bytes,
+                  "kvops": gpu.memory_kvops_bytes, "others": gpu.memory_others_bytes,
+                  "util": gpu.utilization_percent / 100.0 if gpu.utilization_known else None,
+                  "engine": 1 if gpu.engine_device else 0}
+        for key, value in values.items():
+            if value is not None:
+                families[key].add_metric([str(gpu.index), gpu.name], value)
+    yield from (family for family in families.values() if family.samples)
 
 
 class EngineMetrics:

@@ -52,7 +52,7 @@ def build_snapshot(engine: LLMEngine, include_gpu: bool = True) -> Snapshot:
         steps=list(engine.stats.steps),
         swap=swap_stats(engine),
         tenants=tenant_stats(engine),
-        process=read_process_stats(include_gpu),
+        process=read_process_stats(include_gpu, device=str(engine.device)),
     )
 
 

@@ -2,9 +2,10 @@
 
 Formats (docs/kv-memory.md, "Quantized KV"):
 - int8: symmetric, one float32 scale per token and head (amax / 127).
-- fp8: e4m3 storage (`torch.float8_e4m3fn`) with one static float32 scale per layer for K and one for V
-  (1.0, as vLLM uses when a checkpoint ships no scales); values beyond ±448 × scale saturate, which is
-  how a layer with outlier keys loses accuracy.
+- fp8: e4m3 storage (`torch.float8_e4m3fn`) with one float32 scale per layer for K and one for V,
+  calibrated from the first K/V written to the layer (amax × margin / 448, `fp8_scales`) and then fixed;
+  values beyond ±448 × scale saturate. A fixed scale of 1.0 (vLLM's default without checkpoint scales)
+  saturates a layer whose keys pass ±448, which is how such a layer used to lose accuracy.
 - int4: asymmetric, one scale and one zero point per group of 32 or 64 channels
   (`kvops.engine.config.INT4_GROUP_SIZES`), two values per byte.
   Scale and zero are bfloat16: their rounding (2^-9 relative) is small beside int4's step (1/15 of the
@@ -17,6 +18,14 @@ import torch
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 SCALE_FLOOR = 1e-12  # keeps an all-zero token-head from dividing by zero; the Triton kernels use it too
+# Headroom over the first write's amax: later tokens can be larger than the ones the scale was taken from
+# (RoPE alone can lift a channel by up to √2 at positions the first prompt did not reach). e4m3 is a float
+# format, so the headroom costs relative precision only for values near zero (below 2^-6 × scale).
+FP8_SCALE_MARGIN = 1.5
+# The smallest calibrated scale: an all-zero first write must not fix a scale of 0 (x / 0 on every later
+# write). It sits below SmolLM2-135M's smallest calibrated V scale (~0.01), so it only decides degenerate
+# layers, and a power of two so it adds no rounding; such a layer still holds values up to ±0.44.
+FP8_SCALE_FLOOR = 2.0**-10
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,6 +43,13 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     """x [..., d] -> float8_e4m3fn, saturating at ±448 × scale (a plain cast would give NaN on some devices)."""
     return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def fp8_scales(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """float32 [2]: the K and V scales that map amax × FP8_SCALE_MARGIN onto e4m3's ±448, floored.
+    Computed where k and v live and never read back to the host, so calibrating costs no device sync."""
+    amax = torch.stack((k.detach().abs().amax(), v.detach().abs().amax())).float()
+    return (amax * (FP8_SCALE_MARGIN / FP8_MAX)).clamp_min(FP8_SCALE_FLOOR)
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kvops.kernels.attention_metadata import AttentionMetadata
-from kvops.kernels.kv_cache import KVCacheLayer
+from kvops.kernels.kv_cache import KVCacheLayer, calibrate_fp8_scales
 from kvops.kernels.quantization import (
     dequantize_fp8,
     dequantize_int4,
@@ -68,6 +68,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, layer: KVCacheLayer, slot_m
     if bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    calibrate_fp8_scales(layer, k, v)  # first write only; the Triton write calls it the same way
     if layer.kind == "auto":
         data = _slot_view(layer.data)
         data[0].index_copy_(0, slot_mapping, k.to(data.dtype))
@@ -211,3 +212,9 @@ def swap_blocks(src: KVCacheLayer, dst: KVCacheLayer, pairs: list[tuple[int, int
     target = torch.tensor([d for _, d in pairs], device=dst.data.device)
     for s, d in zip(src.per_slot(), dst.per_slot(), strict=True):
         _bits(d)[:, target] = _bits(s)[:, source].to(d.device)
+    if src.kind == "fp8" and src.scale_fixed and not dst.scale_fixed:
+        # fp8 bytes mean nothing without the layer's scales: the host pool takes the device layer's on the
+        # first swap-out, so a host block decodes like the device block it came from.
+        assert src.scale is not None and dst.scale is not None
+        dst.scale.copy_(src.scale.to(dst.scale.device))
+        dst.scale_fixed = True

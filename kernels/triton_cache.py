@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvops.kernels.kv_cache import KVCacheLayer
+from kvops.kernels.kv_cache import KVCacheLayer, calibrate_fp8_scales
 from kvops.kernels.quantization import FP8_MAX, SCALE_FLOOR
 from kvops.kernels.triton_common import cache_args, encode_e4m3, round_bf16, round_half_even
 
@@ -78,7 +78,7 @@ def _write_kv_kernel(
                 tl.store(dst + offs, q.to(tl.int8), mask=mask)
                 tl.store(scale_ptr + sdst, scale)
             else:
-                scale = tl.load(scale_ptr + kv * ss_kv)
+                scale = tl.load(scale_ptr + kv * ss_kv)  # the layer's calibrated K or V scale
                 y = tl.minimum(tl.maximum(_div(x.to(tl.float32), scale), -FP8_LIMIT), FP8_LIMIT)
                 tl.store(dst + offs, encode_e4m3(y).to(tl.uint8), mask=mask)
 
@@ -106,6 +106,13 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, layer: KVCacheLayer, slot_m
         k, v = k.contiguous(), v.contiguous()
     cache = cache_args(layer)
     slots = _on_device(slot_mapping, k.device)
+    if layer.kind == "fp8" and not layer.scale_fixed:
+        # The same calibration as the reference, before the kernel reads the scales: padding (slot < 0)
+        # is left out of the amax, and a write of padding only calibrates nothing. The engine's slot
+        # mapping is a host tensor, so the check reads no device memory (and it runs once per layer).
+        written = slot_mapping >= 0
+        if bool(written.any()):
+            calibrate_fp8_scales(layer, k, v, written.to(k.device, non_blocking=True))
     group = layer.group_size or 32
     _write_kv_kernel[(tokens, heads)](
         k, v, slots, cache.data, cache.scale, cache.zero,

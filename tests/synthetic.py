@@ -103,9 +103,14 @@ def snapshot(t: float = T0, **overrides: Any) -> Snapshot:
     return Snapshot.model_validate(data)
 
 
-def gpu(utilization: float = 90.0, used: int = 40 * 2**30, total: int = 80 * 2**30, index: int = 0) -> dict[str, Any]:
+def gpu(utilization: float = 90.0, used: int = 40 * 2**30, total: int = 80 * 2**30, index: int = 0,
+        kvops: int | None = None, engine_device: bool = True) -> dict[str, Any]:
+    """One GPU as the engine reports it; `kvops` of `used` is the engine's (default: all of it)."""
+    ours = used if kvops is None else kvops
     return {"index": index, "name": "NVIDIA H100", "memory_used_bytes": used, "memory_total_bytes": total,
-            "utilization_percent": utilization}
+            "memory_free_bytes": max(0, total - used), "memory_kvops_bytes": ours,
+            "memory_others_bytes": max(0, used - ours), "memory_kvops_source": "nvml",
+            "utilization_percent": utilization, "engine_device": engine_device}
 
 
 def on_gpu(utilization: float = 90.0, cpu_percent: float = 40.0, **gpu_fields: Any) -> dict[str, Any]:

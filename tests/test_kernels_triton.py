@@ -20,6 +20,7 @@ import torch
 from kvops import kernels
 from kvops.kernels import reference
 from kvops.kernels.attention_metadata import AttentionMetadata, PrefillSpan
+from kvops.kernels.kv_cache import fixed_fp8_scale
 
 pytest.importorskip("triton")
 
@@ -116,8 +117,9 @@ def test_fp8_encoding_matches_torch_for_every_code_and_every_tie():
     probes = torch.cat([values, mids, mids.nextafter(torch.tensor(1e9)), mids.nextafter(torch.tensor(-1e9)),
                         torch.tensor([500.0, -1e4, 449.0, 1e-12, -0.0])])
     probes = torch.cat([probes, torch.zeros(-probes.numel() % 64)]).view(-1, 1, 64)
-    ref_layer = kernels.allocate_kv_cache_layer("fp8", probes.shape[0], 1, 1, 64, torch.float32)
-    tri_layer = kernels.allocate_kv_cache_layer("fp8", probes.shape[0], 1, 1, 64, torch.float32)
+    with fixed_fp8_scale(1.0):  # every code at its own value: a calibrated scale would move the probes off them
+        ref_layer = kernels.allocate_kv_cache_layer("fp8", probes.shape[0], 1, 1, 64, torch.float32)
+        tri_layer = kernels.allocate_kv_cache_layer("fp8", probes.shape[0], 1, 1, 64, torch.float32)
     slots = torch.arange(probes.shape[0])
     reference.write_kv_cache(probes, probes, ref_layer, slots)
     kernels.write_kv_cache(probes, probes, tri_layer, slots)

@@ -12,6 +12,7 @@ from kvops.engine.errors import ConfigError
 from kvops.engine.kv_error_profile import profile_kv_error
 from kvops.engine.llm import LLM
 from kvops.engine.sampling import SamplingParams
+from kvops.kernels.kv_cache import fixed_fp8_scale
 
 FP32_BYTES_PER_TOKEN = 46080  # SmolLM2-135M: 30 layers × 3 KV heads × 64 × 2 (K, V) × 4 bytes
 EXPECTED_BYTES_PER_TOKEN = {
@@ -120,12 +121,22 @@ def _overflow_layer_3(llm: LLM) -> None:
     model.layers[3].qkv[model.q_size : model.q_size + model.kv_size] *= 1000
 
 
-def test_profile_flags_the_layer_whose_k_overflows_fp8_and_skipping_it_fixes_it():
+def test_calibrated_fp8_scales_keep_an_outlier_layer_that_a_fixed_scale_saturates():
     llm = _engine(kv_cache_dtype="fp8")
     _overflow_layer_3(llm)
-    profile = profile_kv_error(llm.engine, steps=[10])
-    assert profile.flagged == [3]
-    bad = profile.layers[3]
-    assert bad.below_threshold and bad.k_cosine[10] < 0.99 < bad.v_cosine[10]
-    fixed = profile_kv_error(llm.engine, skip_layers=[3], steps=[10])
-    assert fixed.flagged == [] and fixed.layers[3].kv_dtype == "float32"
+    with fixed_fp8_scale(1.0):  # the old behaviour (private pools at scale 1.0): flagged, and skipping fixes it
+        profile = profile_kv_error(llm.engine, steps=[10])
+        assert profile.fp8_scales == "fixed" and profile.flagged == [3]
+        bad = profile.layers[3]
+        assert bad.below_threshold and bad.k_cosine[10] < 0.99 < bad.v_cosine[10]
+        assert bad.k_scale == bad.v_scale == 1.0
+        fixed = profile_kv_error(llm.engine, skip_layers=[3], steps=[10])
+        assert fixed.flagged == [] and fixed.layers[3].kv_dtype == "float32" and fixed.layers[3].k_scale is None
+    # Calibrated on the profile's prefill (the serving pool has written nothing yet): layer 3's K scale
+    # grows with its keys and nothing is flagged.
+    calibrated = profile_kv_error(llm.engine, steps=[10])
+    assert calibrated.fp8_scales == "calibrated" and calibrated.flagged == []
+    layer3, others = calibrated.layers[3], calibrated.layers[:3] + calibrated.layers[4:]
+    assert layer3.k_cosine[10] > 0.999 and layer3.k_rel_error is not None and layer3.k_rel_error < 0.05
+    assert layer3.k_scale is not None and layer3.k_scale > 100 * max(e.k_scale or 0 for e in others)
+    assert bad.k_rel_error is not None and bad.k_rel_error > 0.5  # what the fixed scale did to the same layer

@@ -68,8 +68,10 @@ def make_snapshot(*, gpus: bool = True) -> Snapshot:
         process=ProcessStats(
             cpu_percent=185.0, rss_bytes=734_003_200, num_threads=9,
             gpus=[GpuStats(index=0, name="NVIDIA H200", memory_used_bytes=10 * 2**30,
-                           memory_total_bytes=141 * 2**30, utilization_percent=37.0)] if gpus else [],
-            gpu_status="ok" if gpus else "no GPU",
+                           memory_total_bytes=141 * 2**30, memory_free_bytes=131 * 2**30,
+                           memory_kvops_bytes=8 * 2**30, memory_others_bytes=2 * 2**30, memory_kvops_source="nvml",
+                           utilization_percent=37.0, engine_device=True)] if gpus else [],
+            gpu_status="ok" if gpus else "no GPU: the engine runs on cpu",
         ),
     )
 
@@ -150,6 +152,11 @@ def test_snapshot_values_equal_the_snapshot() -> None:
     assert value(samples, "kvops_gpu_memory_used_bytes", gpu="0", name="NVIDIA H200") == 10 * 2**30
     assert value(samples, "kvops_gpu_memory_total_bytes", gpu="0") == 141 * 2**30
     assert value(samples, "kvops_gpu_utilization_ratio", gpu="0") == pytest.approx(0.37)
+    assert value(samples, "kvops_gpu_memory_free_bytes", gpu="0") == 131 * 2**30
+    assert value(samples, "kvops_gpu_memory_used_by_kvops_bytes", gpu="0") == 8 * 2**30
+    assert value(samples, "kvops_gpu_memory_used_by_others_bytes", gpu="0") == 2 * 2**30
+    assert value(samples, "kvops_gpu_engine_device", gpu="0") == 1
+    assert value(samples, "kvops_gpu_status_info", status="ok") == 1
 
     [info] = samples["kvops_engine_info"]
     assert info.value == 1
@@ -186,7 +193,8 @@ def test_missing_states_and_no_gpu() -> None:
     assert {s.labels["state"]: s.value for s in samples["kvops_kv_blocks"]} == {
         "free": 60, "filling": 0, "full": 4, "cached": 0, "pending_free": 0, "swapped": 0,
     }
-    assert "kvops_gpu_memory_used_bytes" not in samples
+    assert not [name for name in samples if name.startswith("kvops_gpu_") and name != "kvops_gpu_status_info"]
+    assert value(samples, "kvops_gpu_status_info", status="no GPU: the engine runs on cpu") == 1
 
 
 def test_event_histograms_and_counter() -> None:

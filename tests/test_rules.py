@@ -13,6 +13,7 @@ from synthetic import (
     ENGINE,
     T0,
     decode_steps,
+    gpu,
     history_of,
     merged,
     on_gpu,
@@ -336,6 +337,10 @@ def test_host_bound_fires_when_the_cpu_is_saturated_and_the_gpu_idles() -> None:
     (lambda i, t: on_gpu(utilization=20.0, cpu_percent=85.0), host_bound.Settings()),  # just under 90%
     (lambda i, t: on_gpu(utilization=20.0, cpu_percent=98.0), host_bound.Settings(cpu_cores=4)),
     (lambda i, t: merged(on_gpu(20.0, 98.0), {"requests": {"running": 0}}), host_bound.Settings()),  # no work
+    # a MIG slice: NVML does not sample its utilization, which then reads 0 — not an idle GPU
+    (lambda i, t: {"engine": {"device": "cuda:0"}, "process": {
+        "cpu_percent": 98.0, "gpu_status": "ok", "gpus": [{**gpu(0.0), "utilization_known": False}]}},
+     host_bound.Settings()),
 ])
 def test_host_bound_stays_silent(scene: Any, settings: host_bound.Settings) -> None:
     assert host_bound.evaluate(history_of(scene), settings, T0) == []

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from fake_supervisor import FakeSupervisor
-from synthetic import T0, snapshot
+from synthetic import T0, on_gpu, snapshot
 from textual.widgets import DataTable, Input, Static
 
 from kvops.schema.audit import AuditEntry
@@ -434,3 +434,17 @@ def test_a_diagnosis_summary_shows_in_full() -> None:
         assert any("lost 35% hit rate" in str(line) for line in lines)
 
     run_app(body)
+
+
+def test_the_engine_info_shows_its_gpu_on_one_line() -> None:
+    fake = FakeSupervisor()
+    fake.snaps["gpu-a"] = [snapshot(T0 - 10 + i, **on_gpu(utilization=37.0, used=80 * 2**30, total=141 * 2**30,
+                                                         kvops=60 * 2**30)) for i in range(11)]
+
+    async def body(pilot: Any, app: KvopsTop, fake: FakeSupervisor) -> None:
+        info = str(app.query_one("#engine-info", Readout).render())
+        assert info.splitlines()[-1] == "gpu0 37% kvops 60G other 20G free 61G"
+        await pilot.press("down")  # gpu-b: a CPU engine says why it has no GPU facts instead of zeros
+        assert str(app.query_one("#engine-info", Readout).render()).splitlines()[-1] == "gpu: no GPU"
+
+    run_app(body, fake=fake)

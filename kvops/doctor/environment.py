@@ -6,9 +6,10 @@ from __future__ import annotations
 import platform
 import sys
 from importlib import metadata
+from types import ModuleType
 
 from kvops.doctor.report import Check, Status
-from kvops.schema.snapshot import Snapshot
+from kvops.schema.snapshot import GpuStats, Snapshot
 
 SECTION = "Environment"
 MIN_PYTHON = (3, 11)
@@ -38,6 +39,41 @@ def python_stack() -> list[Check]:
     return checks
 
 
+def _gib(value: int | None) -> str:
+    return "?" if value is None else f"{value / 2**30:.1f}"
+
+
+def _busy(gpu: GpuStats) -> str:
+    return f"{gpu.utilization_percent:.0f}% busy" if gpu.utilization_known else "utilization not reported"
+
+
+def gpu_line(gpu: GpuStats) -> str:
+    """One GPU as doctor shows it: device, memory by kvops / others / free, utilization. A split that was not
+    read shows as "?" (never as 0 GiB)."""
+    memory = f"{_gib(gpu.memory_total_bytes)} GiB"
+    if gpu.memory_kvops_bytes is not None:
+        memory += f": kvops {_gib(gpu.memory_kvops_bytes)}, others {_gib(gpu.memory_others_bytes)}"
+    else:
+        memory += f": used {_gib(gpu.memory_used_bytes)} (kvops's share not read)"
+    return f"GPU {gpu.index} {gpu.name}, {memory}, free {_gib(gpu.free_bytes)} GiB; {_busy(gpu)}"
+
+
+def _local_gpus(pynvml: ModuleType) -> list[str]:
+    lines = []
+    for index in range(pynvml.nvmlDeviceGetCount()):
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        name = pynvml.nvmlDeviceGetName(handle)
+        try:
+            busy = f"{pynvml.nvmlDeviceGetUtilizationRates(handle).gpu:.0f}% busy"
+        except Exception:  # NotSupported on MIG slices: memory is still worth showing
+            busy = "utilization not reported"
+        lines.append(f"{index}: {name.decode() if isinstance(name, bytes) else name}, "
+                     f"{memory.used / 2**30:.1f}/{memory.total / 2**30:.1f} GiB used, "
+                     f"{memory.free / 2**30:.1f} GiB free; {busy}")
+    return lines
+
+
 def accelerator() -> Check:
     """CUDA through torch, the GPU through NVML (`nvidia-ml-py`); absent means "no GPU", never a crash."""
     detail: list[str] = []
@@ -55,22 +91,20 @@ def accelerator() -> Check:
         pynvml.nvmlInit()
         try:
             driver = pynvml.nvmlSystemGetDriverVersion()
-            gpus = []
-            for index in range(pynvml.nvmlDeviceGetCount()):
-                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-                memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-                name = pynvml.nvmlDeviceGetName(handle)
-                gpus.append(f"{index}: {name}, {memory.used / 2**30:.1f}/{memory.total / 2**30:.1f} GiB used")
+            driver = driver.decode() if isinstance(driver, bytes) else driver
+            gpus = _local_gpus(pynvml)
         finally:
             pynvml.nvmlShutdown()
     except Exception as exc:
         detail.append(f"NVML: {type(exc).__name__}: {exc}")
         if cuda:
             return Check(section=SECTION, title="GPU", status=Status.WARN,
-                         evidence="CUDA works but NVML does not answer: no GPU memory or utilization in snapshots",
-                         remedy="pip install nvidia-ml-py, and check the driver (nvidia-smi)", detail=detail)
+                         evidence=f"CUDA works but NVML is unavailable ({exc}): no GPU memory or utilization in "
+                                  "snapshots", remedy="pip install nvidia-ml-py, and check the driver (nvidia-smi)",
+                         detail=detail)
         return Check(section=SECTION, title="GPU", status=Status.INFO,
-                     evidence="no GPU (no NVIDIA driver, CUDA unavailable): the engine runs on the CPU", detail=detail)
+                     evidence=f"no GPU (NVML unavailable: {exc}; CUDA unavailable): the engine runs on the CPU",
+                     detail=detail)
     detail.append(f"driver {driver}")
     detail.extend(gpus)
     if not gpus:
@@ -85,11 +119,25 @@ def accelerator() -> Check:
 
 
 def engine_device(snap: Snapshot) -> Check:
-    """A remote engine's device, from its snapshot (the local machine says nothing about it)."""
+    """The engine's device and GPU, from its snapshot (the machine doctor runs on says nothing about it)."""
     if not snap.knows("engine.device") and not snap.knows("process.gpus"):
         return Check(section=SECTION, title="Engine device", status=Status.SKIPPED,
                      evidence=f"{snap.source} does not export its device or GPU memory in /metrics")
-    gpus = "; ".join(f"{g.name} {g.memory_used_bytes / 2**30:.1f}/{g.memory_total_bytes / 2**30:.1f} GiB"
-                     for g in snap.process.gpus)
-    return Check(section=SECTION, title="Engine device", status=Status.OK if gpus else Status.INFO,
-                 evidence=f"{snap.engine.device}, {snap.engine.dtype}; GPU: {gpus or snap.process.gpu_status}")
+    process, device = snap.process, snap.engine.device
+    gpus = process.engine_gpus()
+    if not gpus:
+        # No GPU facts: say why (the snapshot's gpu_status), not zeros. A kvops engine on CUDA whose NVML read
+        # failed is worth a look; a kind that never reports its GPU (vLLM, SGLang) is not.
+        cuda = (device.startswith("cuda") and snap.knows("process.gpus") and snap.source == "kvops"
+                and process.gpu_status != "not read")
+        return Check(section=SECTION, title="Engine device", status=Status.WARN if cuda else Status.INFO,
+                     evidence=f"{device}, {snap.engine.dtype}; GPU: {process.gpu_status}",
+                     remedy="install nvidia-ml-py where the engine runs, and check the driver (nvidia-smi)"
+                     if cuda else "")
+    detail = [gpu_line(gpu) for gpu in process.gpus if gpu not in gpus]  # the host's other GPUs, for context
+    detail += [f"GPU {gpu.index}: kvops's memory is torch's reserved memory (NVML does not list the engine's pid, "
+               "e.g. in a container); the CUDA context is not in it" for gpu in gpus
+               if gpu.memory_kvops_source == "torch"]
+    return Check(section=SECTION, title="Engine device", status=Status.OK,
+                 evidence=f"{device}, {snap.engine.dtype}; " + "; ".join(gpu_line(gpu) for gpu in gpus),
+                 detail=detail)

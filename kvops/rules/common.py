@@ -216,11 +216,15 @@ def blocks_per_seq(snaps: list[Snapshot]) -> float | None:
 def engine_gpus(snap: Snapshot) -> list[GpuStats]:
     """The GPU(s) the engine runs on, or [] when it runs on the CPU or there is no GPU data.
 
-    The engine's device index is torch's (after CUDA_VISIBLE_DEVICES), NVML's is physical: when the
-    index does not match a reported GPU, all reported GPUs are taken."""
+    An engine that flags its GPU (matched by UUID, so CUDA_VISIBLE_DEVICES cannot mislead it) is taken at its
+    word. Otherwise the engine's device index is torch's and NVML's is physical: when the index does not match
+    a reported GPU, all reported GPUs are taken."""
     process = snap.process
     if process.gpu_status != "ok" or not process.gpus or not snap.engine.device.startswith("cuda"):
         return []
+    flagged = [gpu for gpu in process.gpus if gpu.engine_device]
+    if flagged:
+        return flagged
     _, _, index = snap.engine.device.partition(":")
     wanted = int(index) if index.isdigit() else 0
     matching = [gpu for gpu in process.gpus if gpu.index == wanted]

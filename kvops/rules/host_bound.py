@@ -35,7 +35,8 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
     if latest is None or not engine_gpus(latest):
         return []
     span = run_span(latest, settings.window_s)
-    snaps = [s for s in history.window(span) if engine_gpus(s)]
+    # A GPU whose utilization NVML does not sample (a MIG slice) reads 0: that is not an idle GPU.
+    snaps = [s for s in history.window(span) if engine_gpus(s) and all(g.utilization_known for g in engine_gpus(s))]
     if not covered(snaps, settings.window_s, settings.min_samples):
         return []
     cpu = sum(s.process.cpu_percent for s in snaps) / len(snaps)

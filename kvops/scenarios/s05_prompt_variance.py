@@ -13,14 +13,14 @@ TITLE = "Whitespace-noisy prompts: shadow predicts the gain, normalization deliv
 
 def _load(seed: int, duration_s: float) -> LoadSpec:
     return LoadSpec(seed=seed, duration_s=duration_s, streams=[Stream(
-        tenant="support", rate=2.0, arrival="poisson", shared_prefix_tokens=320, prefix_groups=1, noise=0.8,
-        prompt=Lengths(dist="fixed", value=24), output=Lengths(dist="fixed", value=4))])
+        tenant="support", rate=3.0, arrival="poisson", shared_prefix_tokens=96, prefix_groups=1, noise=0.8,
+        prompt=Lengths(dist="fixed", value=16), output=Lengths(dist="fixed", value=2))])
 
 
 def run() -> ScenarioResult:
     result = ScenarioResult(name=NAME, title=TITLE, metric="prefix-cache hit rate",
                             command="kvops scenario run prompt_variance")
-    args = {"kv_cache_memory": "64MiB", "max_model_len": 1024, "normalize_prompts": "shadow"}
+    args = {"kv_cache_memory": "128MiB", "max_model_len": 1024, "normalize_prompts": "shadow"}
     # A 30 s window: the rule decides on 15 s or more of traffic, so the fix (applied at once, policy auto) has
     # a before-window with requests in it to be judged against.
     rules = {"prompt_variance": {"policy": "auto",

@@ -1,5 +1,7 @@
-"""Scenario 8: a KV dtype that damages a layer. With fp8 at scale 1.0, a layer whose keys are
-1000× larger than usual saturates (the engine's `--debug-scale-k 3:1000` reproduces such a model).
+"""Scenario 8: a KV dtype that damages a layer. With fp8 at the fixed scale 1.0 (`--kv-cache-scale 1.0`,
+what vLLM uses when a checkpoint carries no scales), a layer whose keys are 1000× larger than usual
+saturates (the engine's `--debug-scale-k 3:1000` reproduces such a model; kvops's default calibrated
+scale would absorb it).
 The error profile names the layer, kvops restarts the engine keeping that layer in full
 precision, and the next profile is clean."""
 
@@ -14,7 +16,8 @@ TITLE = "A KV dtype that damages a layer: the profile names it, the override rem
 def run() -> ScenarioResult:
     result = ScenarioResult(name=NAME, title=TITLE, metric="worst layer cosine (KV profile)",
                             command="kvops scenario run kv_quant_error")
-    args = {"kv_cache_memory": "64MiB", "max_model_len": 512, "kv_cache_dtype": "fp8", "debug_scale_k": "3:1000"}
+    args = {"kv_cache_memory": "64MiB", "max_model_len": 512, "kv_cache_dtype": "fp8", "kv_cache_scale": "1.0",
+            "debug_scale_k": "3:1000"}
     # Its effect shows in the KV error profile, not in snapshots: the judge finds no measurable objective
     # (inconclusive), and `inconclusive = "keep"` keeps the fix with a note; the profile after it is the proof.
     with ScenarioContext(args, rules={"kv_quant_error": {"policy": "auto"}},

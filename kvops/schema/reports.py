@@ -13,6 +13,13 @@ class LayerKVError(BaseModel):
     v_cosine: dict[int, float]
     min_cosine: float  # the worst of the above
     below_threshold: bool
+    # Relative L2 error ||dequantized - full precision|| / ||full precision|| over the context at the last
+    # step, K and V. None in profiles from before it was measured.
+    k_rel_error: float | None = None
+    v_rel_error: float | None = None
+    # fp8 only: the layer's K and V scales (dequantized = e4m3 value × scale); None for other dtypes.
+    k_scale: float | None = None
+    v_scale: float | None = None
 
 
 class KVQuantProfile(BaseModel):
@@ -26,6 +33,10 @@ class KVQuantProfile(BaseModel):
     duration_s: float
     layers: list[LayerKVError]
     flagged: list[int]  # layers below the threshold: candidates for --kv-cache-dtype-skip-layers
+    # fp8 only: where the layers' scales came from. "serving": the serving pool's calibrated scales;
+    # "calibrated": calibrated on the profile's own prompts (the serving pool had none yet, or another
+    # dtype serves); "fixed": a fixed scale (`kvops.kernels.kv_cache.fixed_fp8_scale`).
+    fp8_scales: str | None = None
 
 
 class BlockSizeTiming(BaseModel):

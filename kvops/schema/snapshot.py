@@ -233,11 +233,31 @@ class TenantStats(BaseModel):
 
 
 class GpuStats(BaseModel):
+    """One GPU as NVML sees it. NVML's index is physical: CUDA_VISIBLE_DEVICES renumbers torch's devices, not
+    NVML's, so `engine_device` (not the index) says which GPU the engine's tensors live on."""
+
     index: int
     name: str
-    memory_used_bytes: int
+    memory_used_bytes: int  # by every process on the GPU (NVML's used)
     memory_total_bytes: int
-    utilization_percent: float
+    utilization_percent: float  # 0 when not `utilization_known`: rules sum this field, so it stays a number
+    # Added compatibly (older engines leave them at their defaults): None is "not read", never a made-up 0.
+    memory_free_bytes: int | None = None  # NVML's free (older snapshots: total - used)
+    memory_kvops_bytes: int | None = None  # held by the engine process itself
+    memory_others_bytes: int | None = None  # used - kvops: other processes, and the driver's own
+    # Where memory_kvops_bytes came from: "nvml" (the per-process list, matched on the engine's pid), "torch"
+    # (torch.cuda.memory_reserved: NVML did not list the pid, e.g. in a container; the CUDA context is not in it).
+    memory_kvops_source: str = ""
+    utilization_known: bool = True  # False where NVML does not sample it (a MIG slice, some vGPUs)
+    engine_device: bool = False  # the GPU the engine runs on (others are listed for context)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.memory_free_bytes if self.memory_free_bytes is not None else max(
+            0, self.memory_total_bytes - self.memory_used_bytes)
+
+
+GPU_STATUS_OK = "ok"
 
 
 class ProcessStats(BaseModel):
@@ -245,7 +265,14 @@ class ProcessStats(BaseModel):
     rss_bytes: int
     num_threads: int
     gpus: list[GpuStats] = Field(default_factory=list)
-    gpu_status: str  # "ok", or why there is no GPU data ("no GPU", "NVML unavailable: ...")
+    # GPU_STATUS_OK, or why `gpus` is empty: "no GPU: the engine runs on cpu", "NVML unavailable: <reason>",
+    # "NVML error: <reason>", "not read" (the snapshot was built without GPU facts).
+    gpu_status: str
+
+    def engine_gpus(self) -> list[GpuStats]:
+        """The GPUs flagged as the engine's; every listed GPU when none is (older engines, scrapes)."""
+        flagged = [gpu for gpu in self.gpus if gpu.engine_device]
+        return flagged or list(self.gpus)
 
 
 # Where a snapshot came from: a kvops engine's /stats, or an adapter reading another server's /metrics.

@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 from kvops import __version__
 from kvops.rules import RULES
 from kvops.schema.diagnosis import Severity
-from kvops.schema.snapshot import Snapshot
+from kvops.schema.snapshot import GpuStats, Snapshot
 
 if TYPE_CHECKING:
     from kvops.supervisor.supervisor import EngineState, Supervisor
@@ -75,17 +75,58 @@ SNAPSHOT_SERIES: tuple[tuple[str, str, str, str, SnapshotGetter], ...] = (
 
 
 def snapshot_families(states: Iterable[EngineState]) -> Iterator[Metric]:
-    """SNAPSHOT_SERIES for every engine that answered its last poll, labelled engine and kind."""
+    """SNAPSHOT_SERIES for every engine that answered its last poll, labelled engine and kind; then its GPUs."""
     families = {name: (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, text, labels=ENGINE_LABELS)
                 for name, kind, text, _, _ in SNAPSHOT_SERIES}
+    up: list[tuple[str, Snapshot]] = []
     for state in states:
         snap = state.history.latest
         if snap is None or state.history.is_up is not True:
             continue  # no stale numbers for an engine that is down
+        up.append((state.name, snap))
         labels = [state.name, snap.source]
         for name, _, _, field, value in SNAPSHOT_SERIES:
             if snap.knows(field):
                 families[name].add_metric(labels, float(value(snap)))
+    yield from families.values()
+    yield from _gpu_families(up)
+
+
+# Per-engine GPU series: (name, help, value or None when not read). Only the engine's own GPU(s): the other GPUs
+# of its host would repeat under every engine there.
+GpuGetter = Callable[[GpuStats], float | None]
+GPU_SERIES: tuple[tuple[str, str, GpuGetter], ...] = (
+    ("kvops_engine_gpu_memory_total_bytes", "Memory of the engine's GPU (NVML).", lambda g: g.memory_total_bytes),
+    ("kvops_engine_gpu_memory_used_bytes", "Memory in use on the engine's GPU, every process (NVML).",
+     lambda g: g.memory_used_bytes),
+    ("kvops_engine_gpu_memory_free_bytes", "Memory free on the engine's GPU (NVML).", lambda g: g.memory_free_bytes),
+    ("kvops_engine_gpu_memory_used_by_kvops_bytes", "Memory the engine process holds on its GPU.",
+     lambda g: g.memory_kvops_bytes),
+    ("kvops_engine_gpu_memory_used_by_others_bytes", "Memory other processes (and the driver) use on the engine's "
+     "GPU.", lambda g: g.memory_others_bytes),
+    ("kvops_engine_gpu_utilization_ratio", "Busy fraction (0-1) of the engine's GPU over NVML's last sample period.",
+     lambda g: g.utilization_percent / 100.0 if g.utilization_known else None),
+)
+
+
+def _gpu_families(engines: list[tuple[str, Snapshot]]) -> Iterator[Metric]:
+    """The engines' GPU facts where read, labelled gpu and name too, and each engine's gpu_status (the reason
+    when there are none: a CPU engine, NVML unavailable, a kind that does not report its GPU)."""
+    status = GaugeMetricFamily("kvops_engine_gpu_status_info", "The engine's GPU read: status is \"ok\" or why "
+                               "there are no GPU series (e.g. no GPU: the engine runs on cpu); always 1.",
+                               labels=[*ENGINE_LABELS, "status"])
+    families = {name: GaugeMetricFamily(name, text, labels=[*ENGINE_LABELS, "gpu", "name"])
+                for name, text, _ in GPU_SERIES}
+    for engine, snap in engines:
+        status.add_metric([engine, snap.source, snap.process.gpu_status], 1)
+        if not snap.knows("process.gpus"):
+            continue
+        for gpu in snap.process.engine_gpus():
+            for name, _, value in GPU_SERIES:
+                number = value(gpu)
+                if number is not None:
+                    families[name].add_metric([engine, snap.source, str(gpu.index), gpu.name], float(number))
+    yield status
     yield from families.values()
 
 

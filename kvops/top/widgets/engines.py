@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import time
 
+from rich.markup import escape
 from rich.text import Text
 from textual.app import ComposeResult
 
+from kvops.schema.snapshot import GpuStats, ProcessStats
 from kvops.top.client import EngineView, TopState
 from kvops.top.render import capacity, fmt_duration, fmt_pct, health
 from kvops.top.widgets.common import Detail, Readout, RowTable, TablePanel
@@ -82,11 +84,14 @@ class EnginesPanel(TablePanel):
         if s is None:
             info.show(self.waiting_text(view))
             return
+        # Seven rows of about 38 columns (top.tcss) and capacity takes two: restarts and the request counts share
+        # rows so the GPU line, last, still shows.
         info.show(
-            f"[b]{view.entry.name}[/b] {health(view)}  pid {view.entry.pid or '-'}\n"
+            f"[b]{view.entry.name}[/b] {health(view)}  pid {view.entry.pid or '-'}  restarts {view.entry.restarts}\n"
             f"model {s.engine.model}\nblock size {s.engine.block_size}  KV dtype {s.engine.kv_cache_dtype}\n"
-            f"capacity {capacity(s)}\nuptime {fmt_duration(s.uptime_s)}  restarts {view.entry.restarts}\n"
-            f"running {s.requests.running}  waiting {s.requests.waiting}")
+            f"capacity {capacity(s)}\n"
+            f"uptime {fmt_duration(s.uptime_s)}  running {s.requests.running}  waiting {s.requests.waiting}\n"
+            f"{gpu_compact(s.process)}")
 
     def waiting_text(self, view: EngineView) -> Text:
         """What an engine without a snapshot is waiting for: its process, /health, a restart."""
@@ -117,6 +122,43 @@ class EnginesPanel(TablePanel):
         return None if view is None else (f"engine {key}", engine_detail(view))
 
 
+def _gib(value: int | None) -> str:
+    return "?" if value is None else f"{value / 2**30:.1f}"
+
+
+def _g(value: int | None) -> str:
+    """Bytes in GiB in as few columns as tell them apart: 0.5G, 9.8G, 60G."""
+    if value is None:
+        return "?"
+    gib = value / 2**30
+    return f"{gib:.1f}G" if gib < 10 else f"{gib:.0f}G"
+
+
+def _busy(gpu: GpuStats) -> str:
+    return f"{gpu.utilization_percent:.0f}%" if gpu.utilization_known else "?%"
+
+
+def gpu_compact(process: ProcessStats) -> str:
+    """The engine's GPU(s) in the info box's width: utilization, then memory by kvops / others / free; or why
+    there are none (the snapshot's gpu_status), never zeros. "?" marks what NVML did not give."""
+    gpus = process.engine_gpus()
+    if not gpus:
+        return escape(f"gpu: {process.gpu_status}")
+    return "; ".join(f"gpu{g.index} {_busy(g)} kvops {_g(g.memory_kvops_bytes)} other {_g(g.memory_others_bytes)} "
+                     f"free {_g(g.free_bytes)}" for g in gpus)
+
+
+def gpu_summary(process: ProcessStats) -> str:
+    """The engine's GPU(s) in full words, for the detail view."""
+    gpus = process.engine_gpus()
+    if not gpus:
+        return f"gpu: {process.gpu_status}"
+    return "; ".join(f"gpu {g.index} {g.name}: {_busy(g)} busy, memory {_gib(g.memory_total_bytes)} GiB: kvops "
+                     f"{_gib(g.memory_kvops_bytes)}, others {_gib(g.memory_others_bytes)}, free {_gib(g.free_bytes)}"
+                     + (" (kvops: torch's reserved memory)" if g.memory_kvops_source == "torch" else "")
+                     for g in gpus)
+
+
 def engine_detail(view: EngineView) -> Text:
     e = view.entry
     text = Text()
@@ -140,6 +182,6 @@ def engine_detail(view: EngineView) -> Text:
                     f"evictions {s.prefix_cache.evictions_total}\n"
                     f"swap: {s.swap.preemption_mode}, host blocks {s.swap.host_blocks}, swapped "
                     f"{s.swap.swapped_blocks}\n"
-                    f"process: cpu {s.process.cpu_percent:.0f}%  rss {s.process.rss_bytes / 2**20:.0f} MiB  "
-                    f"gpu {s.process.gpu_status}")
+                    f"process: cpu {s.process.cpu_percent:.0f}%  rss {s.process.rss_bytes / 2**20:.0f} MiB\n"
+                    f"{gpu_summary(s.process)}")
     return text
