@@ -63,6 +63,19 @@ def parse_layers(value: str | Sequence[int | str]) -> tuple[int, ...]:
     return tuple(sorted(set(layers)))
 
 
+def parse_threads(value: str | int) -> int | None:
+    """--threads as a fixed count, or None for auto; ValueError with what to write otherwise."""
+    if str(value) == "auto":
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        raise ValueError(f"--threads {value!r} is neither 'auto' nor a number: give e.g. 2, or auto") from None
+    if count < 1:
+        raise ValueError(f"--threads must be at least 1 (got {count}), or auto")
+    return count
+
+
 def flag_name(setting_name: str) -> str:
     """The command-line flag of a setting: block_size -> --block-size (vLLM's names where the concept exists)."""
     return "--" + setting_name.replace("_", "-")
@@ -126,6 +139,10 @@ class EngineConfig:
     debug_scale_k: str = setting(
         "", "testing aid: scale one layer's K projection, reproducing a model with outlier keys (the KV "
             "quantization error scenario)", metavar="LAYER:FACTOR")
+    threads: str | int = setting(
+        "auto", "torch threads for the forward pass: auto (one per CPU this process may use, fewer while other "
+                "processes keep cores busy, re-checked every second: docs/engine.md#threads) or a fixed number "
+                "(default: %(default)s)", metavar="auto|N")
     device: str = setting(
         "auto", "where the model, the KV cache and the kernels run: auto (cuda when torch sees a CUDA device, "
                 "else cpu), cpu, cuda or cuda:N. --dtype auto follows it: float32 on CPU, bfloat16 on CUDA; on CUDA "
@@ -176,6 +193,10 @@ class EngineConfig:
                               "KVOPS_API_KEYS (the keys go in the variable, not on the command line)")
         if self.debug_scale_k and not re.fullmatch(r"\d+:[0-9.eE+-]+", self.debug_scale_k):
             raise ConfigError(f"--debug-scale-k {self.debug_scale_k!r}: write LAYER:FACTOR, e.g. 3:1000")
+        try:
+            parse_threads(self.threads)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.fixed_kv_scale is not None and not 0 < self.fixed_kv_scale < float("inf"):
             raise ConfigError(f"--kv-cache-scale must be a positive number or 'calibrate' (got {self.kv_cache_scale})")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

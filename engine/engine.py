@@ -27,6 +27,7 @@ from kvops.engine.sequence import FinishReason, Sequence
 from kvops.engine.shadow_cache import ShadowPrefixCache
 from kvops.engine.snapshot_builder import build_snapshot
 from kvops.engine.stats import EngineStats
+from kvops.engine.threads import ThreadGovernor
 from kvops.engine.weights import load_model
 from kvops.kernels import AttentionMetadata, PrefillSpan
 from kvops.schema.snapshot import Snapshot, StepSample
@@ -99,6 +100,7 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
         torch.manual_seed(config.seed)
+        self.threads = ThreadGovernor(config.threads)
         log.info(self.capacity.describe(), model=self.model_name, device=str(self.device), dtype=self.dtype_name,
                  kernels=self.kernel_backend, pool_bytes=self.kv_pool.allocated_bytes,
                  kv_cache_dtype=self.kv_cache_dtype_name,
@@ -106,7 +108,7 @@ class LLMEngine:
                  block_size=config.block_size, num_blocks=self.capacity.num_blocks,
                  tokens=self.capacity.tokens, bytes_per_token=self.capacity.bytes_per_token,
                  host_blocks=self.kv_pool.num_host_blocks, preemption_mode=config.preemption_mode,
-                 max_model_len=self.max_model_len,
+                 max_model_len=self.max_model_len, threads=self.threads.threads, threads_mode=self.threads.mode,
                  max_concurrency=round(self.capacity.max_concurrency, 2),
                  load_s=round(time.monotonic() - started, 2))
 
@@ -260,6 +262,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample; returns outputs of sequences that got a token."""
         started = time.perf_counter()
+        self.threads.tick()
         self.block_manager.reclaim_pending()
         plan = self.scheduler.schedule()
         # Swap-outs read device blocks this step's allocations may already have handed to someone else:

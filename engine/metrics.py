@@ -243,6 +243,12 @@ def snapshot_families(snap: Snapshot, labels: TenantLabels | None = None) -> Ite
                  "CPU used by the engine process, in cores (psutil cpu_percent / 100; above 1 on several cores).",
                  process.cpu_percent / 100.0)
     yield _gauge("kvops_process_threads", "Threads of the engine process.", process.num_threads)
+    if process.torch_threads is not None:
+        yield _gauge("kvops_engine_torch_threads", "Torch threads the forward pass runs on (--threads; auto follows "
+                     "the CPUs other processes leave free).", process.torch_threads)
+    if process.others_busy_cpus is not None:
+        yield _gauge("kvops_engine_others_busy_cpus", "CPUs' worth of work other processes did at the last --threads "
+                     "auto check, in cores.", process.others_busy_cpus)
     yield from gpu_families(process)
 
 

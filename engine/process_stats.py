@@ -222,11 +222,14 @@ def read_gpus(device: str | None) -> tuple[list[GpuStats], str]:
     return _nvml.read(device)
 
 
-def read_process_stats(include_gpu: bool = True, device: str | None = None) -> ProcessStats:
-    """This process's stats; `device`: the engine's torch device (pass it: see `read_gpus` for None)."""
+def read_process_stats(include_gpu: bool = True, device: str | None = None, torch_threads: int | None = None,
+                       others_busy_cpus: float | None = None) -> ProcessStats:
+    """This process's stats; `device`: the engine's torch device (pass it: see `read_gpus` for None);
+    `torch_threads` and `others_busy_cpus`: the engine's thread governor's (kvops.engine.threads)."""
     with _process.oneshot():
         cpu = _process.cpu_percent(interval=None)
         rss = _process.memory_info().rss
         threads = _process.num_threads()
     gpus, status = read_gpus(device) if include_gpu else ([], "not read")
-    return ProcessStats(cpu_percent=cpu, rss_bytes=rss, num_threads=threads, gpus=gpus, gpu_status=status)
+    return ProcessStats(cpu_percent=cpu, rss_bytes=rss, num_threads=threads, torch_threads=torch_threads,
+                        others_busy_cpus=others_busy_cpus, gpus=gpus, gpu_status=status)

@@ -52,7 +52,9 @@ def build_snapshot(engine: LLMEngine, include_gpu: bool = True) -> Snapshot:
         steps=list(engine.stats.steps),
         swap=swap_stats(engine),
         tenants=tenant_stats(engine),
-        process=read_process_stats(include_gpu, device=str(engine.device)),
+        process=read_process_stats(include_gpu, device=str(engine.device), torch_threads=engine.threads.threads,
+                                   others_busy_cpus=engine.threads.others_busy if engine.threads.fixed is None
+                                   else None),
     )
 
 

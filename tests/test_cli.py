@@ -57,10 +57,11 @@ def test_every_engine_setting_has_a_flag_that_round_trips():
     settings = {"model": "/models/x", "dtype": "bfloat16", "block_size": 32, "kv_cache_memory": "1GiB",
                 "max_model_len": 1024, "max_num_seqs": 8, "max_num_batched_tokens": 512,
                 "enable_prefix_caching": False, "eviction_policy": "lfu", "normalize_prompts": "shadow", "seed": 7,
-                "kv_cache_dtype": "int4", "kv_cache_scale": "1.0", "kv_cache_group_size": 64, "kv_cache_dtype_skip_layers": [0, 5],
+                "kv_cache_dtype": "int4", "kv_cache_scale": "1.0", "kv_cache_group_size": 64,
+                "kv_cache_dtype_skip_layers": [0, 5],
                 "swap_space": "1GiB", "preemption_mode": "swap", "api_keys_file": "/etc/kvops/keys",
                 "api_keys_env": "KVOPS_API_KEYS", "trust_client_tenant": True, "max_tenant_labels": 5,
-                "debug_scale_k": "3:1000", "device": "cpu", "gpu_memory_utilization": 0.5}
+                "debug_scale_k": "3:1000", "threads": "1", "device": "cpu", "gpu_memory_utilization": 0.5}
     assert tuple(settings) == ENGINE_SETTINGS
     config = engine_config_from_args(parser.parse_args(engine_flags(settings)))
     assert config == EngineConfig(**settings)

@@ -66,7 +66,7 @@ def make_snapshot(*, gpus: bool = True) -> Snapshot:
                                blocks_held=4, evictions_caused=12, evictions_suffered=0),
         },
         process=ProcessStats(
-            cpu_percent=185.0, rss_bytes=734_003_200, num_threads=9,
+            cpu_percent=185.0, rss_bytes=734_003_200, num_threads=9, torch_threads=2, others_busy_cpus=0.25,
             gpus=[GpuStats(index=0, name="NVIDIA H200", memory_used_bytes=10 * 2**30,
                            memory_total_bytes=141 * 2**30, memory_free_bytes=131 * 2**30,
                            memory_kvops_bytes=8 * 2**30, memory_others_bytes=2 * 2**30, memory_kvops_source="nvml",
@@ -149,6 +149,8 @@ def test_snapshot_values_equal_the_snapshot() -> None:
     assert value(samples, "kvops_process_resident_memory_bytes") == 734_003_200
     assert value(samples, "kvops_process_cpu_usage_ratio") == pytest.approx(1.85)
     assert value(samples, "kvops_process_threads") == 9
+    assert value(samples, "kvops_engine_torch_threads") == 2
+    assert value(samples, "kvops_engine_others_busy_cpus") == 0.25
     assert value(samples, "kvops_gpu_memory_used_bytes", gpu="0", name="NVIDIA H200") == 10 * 2**30
     assert value(samples, "kvops_gpu_memory_total_bytes", gpu="0") == 141 * 2**30
     assert value(samples, "kvops_gpu_utilization_ratio", gpu="0") == pytest.approx(0.37)

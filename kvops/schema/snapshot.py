@@ -264,6 +264,10 @@ class ProcessStats(BaseModel):
     cpu_percent: float
     rss_bytes: int
     num_threads: int
+    # The engine's torch thread count (--threads) and the CPUs other processes kept busy at its last check
+    # (auto only); None from engines that predate them and from scrapes.
+    torch_threads: int | None = None
+    others_busy_cpus: float | None = None
     gpus: list[GpuStats] = Field(default_factory=list)
     # GPU_STATUS_OK, or why `gpus` is empty: "no GPU: the engine runs on cpu", "NVML unavailable: <reason>",
     # "NVML error: <reason>", "not read" (the snapshot was built without GPU facts).
