@@ -36,6 +36,7 @@ log = structlog.get_logger("kvops.engine.threads")
 CHECK_EVERY_S = 1.0
 TAKEN_ABOVE = 0.5  # a core busier than this with other processes' work counts as taken
 AGREEING_READINGS = 2
+STALE_AFTER = 3  # readings further apart than this many check intervals are not compared
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +116,10 @@ class ThreadGovernor:
         if reading is None:
             return
         before, self._last = self._last, reading
-        if before is None:
+        if before is None or reading.t - before.t > STALE_AFTER * self._every:
+            # The engine sat idle: an average over that gap says what others did while nothing here needed
+            # the cores, not what they do now. Start afresh from this reading.
+            self._proposed = []
             return
         self.others_busy = others_busy_cpus(before, reading)
         wanted = choose_threads(self.cpus, self.others_busy)

@@ -83,6 +83,14 @@ def _bench(argv: list[str]) -> int:
         from kvops.bench import compare as bench_compare
 
         return bench_compare.main(argv[1:])
+    if argv[:1] == ["profile"]:
+        from kvops.bench import step_profile
+
+        return step_profile.main(argv[1:])
+    if argv[:1] == ["vs-vllm"]:
+        from kvops.bench import side_by_side
+
+        return side_by_side.main(argv[1:])
     if argv[:1] == ["load"]:
         from kvops import loadgen
 
@@ -128,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="the supervisor: run and watch engines, diagnose, alert, fix "
                               "(see docs/supervisor.md)")
-    from kvops.supervisor.run import add_run_args
+    from kvops.supervisor.run_args import add_run_args
 
     add_run_args(run)
     run.set_defaults(handler=_run)
@@ -165,8 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
                         add_help=False)
     commands.add_parser("bench", help="benchmark the engine against transformers (`kvops bench --help`), the KV "
                         "cache dtypes against each other (`kvops bench kv-quant --help`), send a workload to "
-                        "an engine (`kvops bench load --help`), or compare servers side by side with the same "
-                        "requests (`kvops bench compare --help`)",
+                        "an engine (`kvops bench load --help`), compare servers side by side with the same "
+                        "requests (`kvops bench compare --help`), or start kvops and vLLM-CPU and reproduce every "
+                        "number of the comparison (`kvops bench vs-vllm --help`), or see where a step's time goes "
+                        "(`kvops bench profile --help`)",
                         add_help=False)
     return parser
 

@@ -63,6 +63,21 @@ def test_auto_needs_two_agreeing_readings_before_it_changes():
     assert governor.threads == 2
 
 
+def test_a_reading_after_an_idle_gap_starts_afresh():
+    """Idle between requests, the engine takes no readings; what others did meanwhile says nothing of now."""
+    machine = _Machine()
+    governor = ThreadGovernor("auto", cpus=2, read=lambda: None, apply=lambda n: None)
+    governor.observe(machine.advance())
+    machine.others = 1.0
+    governor.observe(machine.advance())  # one reading asks for 1 thread
+    governor.observe(machine.advance(seconds=30))  # after a long idle gap: no comparison, no change
+    assert governor.threads == 2
+    governor.observe(machine.advance())
+    assert governor.threads == 2  # the old proposal was dropped: a second fresh one is needed
+    governor.observe(machine.advance())
+    assert governor.threads == 1
+
+
 def test_a_fixed_count_is_applied_once_and_never_changed():
     applied: list[int] = []
     governor = ThreadGovernor(3, cpus=2, read=lambda: pytest.fail("a fixed count reads nothing"),

@@ -142,7 +142,7 @@ async def _one(client: httpx.AsyncClient, server: Server, prompt: list[int], max
     return int(response.json()["usage"]["completion_tokens"])
 
 
-async def _batch(server: Server, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
+async def send_batch(server: Server, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
     """All prompts at once; (tokens generated, wall seconds)."""
     limits = httpx.Limits(max_connections=len(prompts) + 1)
     async with httpx.AsyncClient(timeout=TIMEOUT_S, limits=limits, trust_env=False) as client:
@@ -154,10 +154,10 @@ async def _batch(server: Server, prompts: list[list[int]], max_tokens: int) -> t
 def warm_up(server: Server, prompt: list[int]) -> None:
     """One short request (first-request compilation, caches); drops ignore_eos if the server rejects it."""
     try:
-        asyncio.run(_batch(server, [prompt], 4))
+        asyncio.run(send_batch(server, [prompt], 4))
     except CompareError:
         server.ignore_eos = False
-        asyncio.run(_batch(server, [prompt], 4))
+        asyncio.run(send_batch(server, [prompt], 4))
 
 
 # ------------------------------------------------------------------------------------------- running
@@ -195,7 +195,7 @@ def run(servers: list[Server], scale: float, rounds: int, seed: int, command: st
             order = servers if r % 2 == 0 else servers[::-1]
             orders.append([s.name for s in order])
             for server in order:
-                tokens, seconds = asyncio.run(_batch(server, batch, shape.max_tokens))
+                tokens, seconds = asyncio.run(send_batch(server, batch, shape.max_tokens))
                 result = results[server.name]
                 result["tokens"] += tokens
                 result["seconds"] += seconds

@@ -108,7 +108,7 @@ def _log_uniform(rng: random.Random, low: int, high: int) -> int:
     return round(math.exp(rng.uniform(math.log(low), math.log(high))))
 
 
-def _text_prompt(tokenizer: Any, rng: random.Random, index: int, length: int) -> list[int]:
+def text_prompt(tokenizer: Any, rng: random.Random, index: int, length: int) -> list[int]:
     """Exactly `length` token ids of prose, distinct from the first block on (no accidental prefix hits)."""
     text = f"Notes {index}. Read these notes and continue them in the same style.\n"
     ids: list[int] = tokenizer(text).input_ids
@@ -134,7 +134,7 @@ def build_workloads(engine: Any, quick: bool, seed: int) -> dict[str, Workload]:
     # Make sure both ends of each range are exercised, at different positions.
     prompt_lens[0], prompt_lens[1] = prompt_range[1], prompt_range[0]
     output_lens[0], output_lens[2] = output_range[0], output_range[1]
-    mixed = [_text_prompt(tokenizer, rng, i, n) for i, n in enumerate(prompt_lens)]
+    mixed = [text_prompt(tokenizer, rng, i, n) for i, n in enumerate(prompt_lens)]
 
     return {
         "chat": Workload("chat", f"{num_chat} chat prompts x {chat_tokens} new tokens", chat,

