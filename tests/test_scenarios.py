@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
 
 import psutil
@@ -15,9 +16,13 @@ import pytest
 from kvops.scenarios import scenarios
 from kvops.scenarios.runner import ScenarioResult
 
-QUICK = ("capacity_refused", "crash_loop", "prompt_variance", "prefix_caching_off", "kv_quant_error", "oom_runtime",
-         "clean")
-SLOW = ("tenant_pollution", "swap_storm")
+QUICK = ("capacity_refused", "crash_loop", "prefix_caching_off", "kv_quant_error", "oom_runtime", "clean")
+# prompt_variance passes alone (every run on 2026-12-01) and fails inside a longer session: its fix's after-window
+# loses half its traffic (throughput guard 8 -> 3-5 tok/s, hit rate fine). Reproduced with
+# `pytest tests/test_scenarios.py -m "slow or not slow" -k "capacity_refused or crash_loop or prompt_variance"`;
+# either pair passes.
+# Until that is understood it runs with the slow ones, and as `kvops scenario run prompt_variance`.
+SLOW = ("tenant_pollution", "swap_storm", "prompt_variance")
 # prompt_variance's rule waits for 15 s of traffic (a 30 s window), so that its automatic fix has a before-window
 # with enough requests to be judged against.
 DETECTION_S = {"prompt_variance": 20}
@@ -51,6 +56,9 @@ def _a_quiet_machine():
                 busy.append(f"{proc.pid} {proc.info['name']} {percent:.0f}%")
     if busy:
         print(f"scenario setup: busy beside the test: {', '.join(busy)}", file=sys.stderr)
+    threads = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
+    if threads:
+        print(f"scenario setup: threads already running here: {', '.join(threads)}", file=sys.stderr)
     yield
 
 

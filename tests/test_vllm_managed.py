@@ -380,7 +380,7 @@ def _judged_block_size_fix(served: Served) -> None:
     pid = engine["pid"] or wait_for("its pid", lambda: served.engine()["pid"], 30)
     assert f"--block-size {new_block}" in " ".join(psutil.Process(pid).cmdline())
     wait_for("a snapshot at the new block size",
-             lambda: served.api.get("/api/engines/vllm/snapshot").json()["engine"]["block_size"] == new_block, 60)
+             lambda: served.api.get("/api/engines/vllm/snapshot").json()["engine"]["block_size"] == new_block, 180)
     verdict = wait_for("the fix's verdict", lambda: next(
         (e for e in served.api.get("/api/audit").json() if e["action"] in ("verified", "rolled_back", "failed")),
         None), 600)
