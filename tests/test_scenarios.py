@@ -16,12 +16,11 @@ import pytest
 from kvops.scenarios import scenarios
 from kvops.scenarios.runner import ScenarioResult
 
-QUICK = ("capacity_refused", "crash_loop", "prefix_caching_off", "kv_quant_error", "oom_runtime", "clean")
-# prompt_variance passes alone (every run on 2026-12-01) and fails inside a longer session: its fix's after-window
-# loses half its traffic (throughput guard 8 -> 3-5 tok/s, hit rate fine). Reproduced with
-# `pytest tests/test_scenarios.py -m "slow or not slow" -k "capacity_refused or crash_loop or prompt_variance"`;
-# either pair passes.
-# Until that is understood it runs with the slow ones, and as `kvops scenario run prompt_variance`.
+# crash_loop goes last: the scenario run right after it has failed inside longer sessions and passed alone
+# (prompt_variance in CI three times: its fix's after-window lost half its traffic; prefix_caching_off once here when
+# it took that place). What crash_loop leaves behind is not found (docs/scenarios.md). prompt_variance runs with the
+# slow ones until then (`pytest -m slow tests/test_scenarios.py`, or `kvops scenario run prompt_variance`).
+QUICK = ("capacity_refused", "prefix_caching_off", "kv_quant_error", "oom_runtime", "clean", "crash_loop")
 SLOW = ("tenant_pollution", "swap_storm", "prompt_variance")
 # prompt_variance's rule waits for 15 s of traffic (a 30 s window), so that its automatic fix has a before-window
 # with enough requests to be judged against.
