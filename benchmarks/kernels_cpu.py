@@ -34,6 +34,10 @@ class Case:
     kv_heads: int = 3
     head_dim: int = 64
     block_size: int = 16
+    # Decode: the first `shared_prefix` tokens (whole blocks) of every sequence longer than that point at the
+    # same physical blocks, as prefix caching leaves them; sequence i shares with those of group i % groups.
+    shared_prefix: int = 0
+    groups: int = 1
 
 
 @dataclass
@@ -48,12 +52,17 @@ def _setup(case: Case) -> tuple[torch.Tensor, KVCacheLayer, AttentionMetadata]:
     g = torch.Generator().manual_seed(0)
     bs = case.block_size
     blocks_per_seq = [-(-n // bs) for n in case.context]
-    layer = allocate_kv_cache_layer(case.kind, sum(blocks_per_seq) + 1, bs, case.kv_heads, case.head_dim,
-                                    torch.float32)
-    perm = torch.randperm(sum(blocks_per_seq), generator=g) + 1  # scattered blocks, as in a busy pool
-    tables, start = [], 0
-    for n in blocks_per_seq:
-        tables.append(perm[start : start + n])
+    prefix_blocks = case.shared_prefix // bs
+    shares = [n > case.shared_prefix > 0 for n in case.context]
+    own = [n - prefix_blocks if share else n for n, share in zip(blocks_per_seq, shares, strict=True)]
+    total = sum(own) + prefix_blocks * case.groups
+    layer = allocate_kv_cache_layer(case.kind, total + 1, bs, case.kv_heads, case.head_dim, torch.float32)
+    perm = torch.randperm(total, generator=g) + 1  # scattered blocks, as in a busy pool
+    prefixes = [perm[i * prefix_blocks : (i + 1) * prefix_blocks] for i in range(case.groups)]
+    tables, start = [], prefix_blocks * case.groups
+    for i, n in enumerate(own):
+        tables.append(torch.cat([prefixes[i % case.groups], perm[start : start + n]]) if shares[i]
+                      else perm[start : start + n])
         start += n
     slots = torch.arange(layer.num_blocks * bs)
     kv = torch.randn(2, slots.numel(), case.kv_heads, case.head_dim, generator=g)
@@ -146,13 +155,17 @@ def cases(quick: bool) -> list[Case]:
         Case("decode b16 ctx 40-600 int8", "decode", "int8", 16, ragged(16, 40, 600)),
         Case("decode b16 ctx 40-600 int4", "decode", "int4", 16, ragged(16, 40, 600)),
         Case("decode b64 ctx 1024", "decode", "auto", 64, [1024] * 64),
+        Case("decode b16 600-token shared prefix + 20-60", "decode", "auto", 16,
+             [600 + n for n in ragged(16, 20, 60)], shared_prefix=592),
+        Case("decode b16 2 shared prefixes of 400 + 20-200", "decode", "auto", 16,
+             [400 + n for n in ragged(16, 20, 200)], shared_prefix=400, groups=2),
         Case("decode b4 ctx 100-4000 (very ragged)", "decode", "auto", 4, [100, 400, 1500, 4000]),
         Case("decode b1 ctx 8192", "decode", "auto", 1, [8192]),
         Case("prefill 4x256 new, no prefix", "prefill", "auto", 4, [256] * 4, new_tokens=256),
         Case("prefill 8x32 new over 512 prefix", "prefill", "auto", 8, [544] * 8, new_tokens=32),
         Case("prefill 8x32 new over 512 prefix int8", "prefill", "int8", 8, [544] * 8, new_tokens=32),
     ]
-    return out[:3] + out[6:8] if quick else out
+    return out[:3] + out[4:6] + out[8:10] if quick else out
 
 
 def main() -> None:

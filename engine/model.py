@@ -64,7 +64,6 @@ class LlamaModel:
             )
         self.dtype = dtype
         self.device = device or torch.device("cpu")
-        self.linear_backend, self.linear = select_linear(self.device, dtype)
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -105,6 +104,9 @@ class LlamaModel:
             layer.gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
             layer.down = w(p + "mlp.down_proj.weight")
             self.layers.append(layer)
+        # Chosen on these weights, as a decode step reads them (engine/linear.py).
+        self.linear_backend, self.linear = select_linear(
+            self.device, dtype, [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)])
 
         inv_freq, scaling = _rope_inv_freq(config)
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]

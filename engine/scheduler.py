@@ -2,8 +2,10 @@
 
 Each step spends a token budget (`max_num_batched_tokens`): running sequences first (decodes
 and unfinished prefill chunks, in admission order), then swapped-out ones coming back, then
-waiting ones, up to `max_num_seqs`. When blocks run out the most recently admitted sequence is
-preempted, so the oldest requests always make progress and nothing deadlocks:
+waiting ones, up to `max_num_seqs`. A waiting sequence whose next prompt block a running one is
+still computing waits for the prefix cache instead of computing it again. When blocks run out the
+most recently admitted sequence is preempted, so the oldest requests always make progress and
+nothing deadlocks:
 
 - recompute mode: its blocks are released and it goes back to the front of the waiting queue;
   its K/V is recomputed when it is admitted again (full blocks stay cached, so often hit).
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 
 from kvops.engine.block_manager import BlockManager
 from kvops.engine.config import PREEMPTION_MODES
+from kvops.engine.hashing import BlockHash
 from kvops.engine.sequence import Sequence, SequenceStatus
 
 
@@ -71,6 +74,7 @@ class Scheduler:
         self.preemptions_total = 0
         self.swap_preemptions_total = 0  # preemptions that swapped the sequence out
         self.swap_fallbacks_total = 0  # swap-mode preemptions recomputed because the host pool was full
+        self.deferred_total = 0  # admissions put off a step: their next prefix block was being computed
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -119,10 +123,15 @@ class Scheduler:
         stalled = bool(out.preempted)
         if not stalled:
             stalled, budget = self._resume_swapped(out, budget)
-        skipped: list[Sequence] = []  # held back by their tenant's quota; others may go ahead
+        skipped: list[Sequence] = []  # held back (quota, or a prefix being computed); others may go ahead
+        in_flight = self._blocks_in_flight() if self.waiting and self.bm.enable_prefix_caching else set()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not stalled:
             seq = self.waiting.popleft()
             hits, hashes = self.bm.lookup(seq.token_ids, seq.salt)
+            if _next_block_in_flight(seq, hits, hashes, in_flight, self.bm.block_size):
+                skipped.append(seq)
+                self.deferred_total += 1
+                continue
             num_cached = len(hits) * self.bm.block_size
             num_new = min(len(seq.token_ids) - num_cached, budget)
             if not self.bm.allocate(seq.seq_id, num_cached + num_new, tenant=seq.tenant, salt=seq.salt,
@@ -141,8 +150,17 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+            in_flight.update(hashes[len(hits):])
         self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _blocks_in_flight(self) -> set[BlockHash]:
+        """Hashes of full blocks that running sequences have still to compute (this step or later)."""
+        found: set[BlockHash] = set()
+        for seq in self.running:
+            if seq.num_uncomputed > 1 and seq.seq_id in self.bm.seqs:
+                found.update(self.bm.seqs[seq.seq_id].hashes[seq.num_computed_tokens // self.bm.block_size:])
+        return found
 
     def _resume_swapped(self, out: SchedulerOutput, budget: int) -> tuple[bool, int]:
         """Swap sequences back in, oldest first, while blocks, budget and `max_num_seqs` allow.
@@ -208,3 +226,16 @@ class Scheduler:
         while index > 0 and self.swapped[index - 1].arrival_time > seq.arrival_time:
             index -= 1
         self.swapped.insert(index, seq)
+
+
+def _next_block_in_flight(seq: Sequence, hits: list[int], hashes: list[BlockHash], in_flight: set[BlockHash],
+                          block_size: int) -> bool:
+    """True when the first block `seq` would compute is one a running sequence is computing already.
+
+    Admitting it now would compute the same K/V twice (identical blocks computed in one step are not
+    shared); a step later it finds them in the prefix cache. Sixteen requests behind one long prefix
+    arriving together cost one prefix, not the three or four that fit in the first step's budget.
+    """
+    following = len(hits)
+    hittable = min((len(seq.token_ids) - 1) // block_size, len(hashes))
+    return following < hittable and hashes[following] in in_flight

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvops.kernels import cascade_attention
 from kvops.kernels.attention_metadata import AttentionMetadata
 from kvops.kernels.kv_cache import KVCacheLayer, calibrate_fp8_scales
 from kvops.kernels.quantization import (
@@ -154,7 +155,20 @@ def _decode_buckets(meta: AttentionMetadata, row_cost: int) -> list[_Bucket]:
 
 
 def paged_decode_attention(q: torch.Tensor, layer: KVCacheLayer, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [num_decodes, heads, head_dim] attends over each sequence's whole context in the paged cache."""
+    """q [num_decodes, heads, head_dim] attends over each sequence's whole context in the paged cache; rows
+    that share prefix blocks read them once (kernels/cascade_attention.py)."""
+    plan = cascade_attention.plan(meta)
+    if plan is None:
+        return _plain_decode(q, layer, meta, scale)
+    out = q.new_empty(q.shape)
+    if plan.plain is not None:
+        out[plan.plain_rows] = _plain_decode(q[plan.plain_rows], layer, plan.plain, scale)
+    for group in plan.groups:
+        out[group.rows] = _cascade_decode(q[group.rows], layer, group, scale)
+    return out
+
+
+def _plain_decode(q: torch.Tensor, layer: KVCacheLayer, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     kv_heads = layer.data.shape[3]
     buckets = _decode_buckets(meta, kv_heads * layer.head_dim)
     out = q.new_empty(q.shape) if len(buckets) > 1 else None
@@ -167,6 +181,26 @@ def paged_decode_attention(q: torch.Tensor, layer: KVCacheLayer, meta: Attention
         out[b.rows] = o
     assert out is not None
     return out
+
+
+def _cascade_decode(q: torch.Tensor, layer: KVCacheLayer, group: cascade_attention.CascadeGroup,
+                    scale: float) -> torch.Tensor:
+    """One group's rows: the shared blocks once for all of them, then each row's own blocks, merged."""
+    rows, heads, d = q.shape
+    kv_heads = layer.data.shape[3]
+    per_kv = heads // kv_heads  # query heads on one KV head, grouped as `enable_gqa` does
+    qg = q.view(rows, kv_heads, per_kv, d)
+    prefix = _gather_blocks(layer, group.prefix_blocks, group.prefix_blocks.numel() * layer.block_size)
+    prefix = prefix.to(q.dtype).transpose(1, 2).unsqueeze(1)  # [2, 1, kv_heads, prefix_len, d]
+    stacked = qg.permute(1, 0, 2, 3).reshape(1, kv_heads, rows * per_kv, d)
+    o1, lse1 = cascade_attention.attend(stacked, prefix[0], prefix[1], None, scale)
+    o1 = o1.view(kv_heads, rows, per_kv, d).permute(1, 0, 2, 3)
+    lse1 = lse1.view(kv_heads, rows, per_kv).permute(1, 0, 2)
+    o2, lse2 = torch.empty_like(qg), lse1.new_empty(lse1.shape)
+    for b in _decode_buckets(group.suffix, kv_heads * d):
+        kv = _gather_blocks(layer, b.blocks, b.length).to(q.dtype).transpose(2, 3)  # [2, n, kv_heads, len, d]
+        o2[b.rows], lse2[b.rows] = cascade_attention.attend(qg[b.rows], kv[0], kv[1], b.mask, scale)
+    return cascade_attention.merge(o1, lse1, o2, lse2).reshape(rows, heads, d)
 
 
 def _prefill_mask(meta: AttentionMetadata, n: int, context_len: int, device: torch.device) -> torch.Tensor:

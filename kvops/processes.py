@@ -8,6 +8,11 @@ import contextlib
 import ctypes
 import signal
 import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
 
@@ -23,3 +28,36 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+class NotReady(RuntimeError):
+    """A server kvops started exited, or did not answer /health in time; the message says which, with the end
+    of its log when there is one."""
+
+
+def start_engine_server(port: int, args: list[str], log: IO[bytes] | int = subprocess.DEVNULL,
+                        ) -> subprocess.Popen[bytes]:
+    """`kvops engine serve` on `port` in its own process group (benchmarks start one beside vLLM)."""
+    return subprocess.Popen([sys.executable, "-m", "kvops", "engine", "serve", "--port", str(port), *args],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float, name: str = "the server",
+                 log_path: Path | None = None) -> float:
+    """Seconds until GET {url}/health answers 200. NotReady when the process exits first or the time runs out."""
+    import httpx
+
+    def log_tail() -> str:
+        if log_path is None or not log_path.exists():
+            return ""
+        return f"; the end of its log ({log_path}):\n{log_path.read_text(errors='replace')[-1500:]}"
+
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if process.poll() is not None:
+            raise NotReady(f"{name} exited with code {process.returncode} before it was ready{log_tail()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2.0, trust_env=False).status_code == 200:
+                return time.monotonic() - started
+        time.sleep(0.5)
+    raise NotReady(f"{name} did not answer {url}/health within {timeout_s:.0f} s{log_tail()}")

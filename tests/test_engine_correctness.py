@@ -37,7 +37,10 @@ def test_prefix_cache_hits_give_the_same_tokens(chat_prompts, hf_greedy):
     assert _mismatches([o.token_ids for o in first], hf_greedy) == []
     assert _mismatches([o.token_ids for o in again], hf_greedy) == []
     snap = llm.engine.snapshot(include_gpu=False)
-    assert snap.prefix_cache.hits_total == sum(o.num_cached_tokens for o in again)
+    # The first round hits too: its requests share the chat template's system prompt, and those admitted
+    # after the first wait a step for its blocks instead of computing them again (engine/scheduler.py).
+    assert sum(o.num_cached_tokens for o in first) > 0
+    assert snap.prefix_cache.hits_total == sum(o.num_cached_tokens for o in first + again)
 
 
 def test_requests_joining_running_decodes(chat_prompts, hf_greedy):

@@ -127,3 +127,42 @@ def test_reference_is_not_slower_than_gather_plus_sdpa():
             slower.append(row)
         time.sleep(0.1)
     assert not slower, slower
+
+
+def _cascade_cases() -> list[Any]:  # kernels_cpu.Case
+    return [
+        kernels_cpu.Case("one prefix", "decode", "auto", 5, [300, 129, 131, 190, 260], shared_prefix=128),
+        kernels_cpu.Case("two prefixes and loners", "decode", "auto", 7, [90, 200, 70, 150, 64, 300, 66],
+                         shared_prefix=64, groups=2),
+        kernels_cpu.Case("int8", "decode", "int8", 4, [100, 120, 140, 99], shared_prefix=96, block_size=8),
+        kernels_cpu.Case("fp8, block size 1", "decode", "fp8", 3, [80, 81, 90], shared_prefix=72, block_size=1),
+        kernels_cpu.Case("int4", "decode", "int4", 3, [160, 170, 200], shared_prefix=128, block_size=32),
+    ]
+
+
+@pytest.mark.parametrize("case", _cascade_cases(), ids=lambda c: c.name)
+def test_rows_sharing_prefix_blocks_read_them_once_and_get_the_same_attention(case: Any):
+    q, layer, meta = kernels_cpu._setup(case)
+    scale = case.head_dim**-0.5
+    got = reference.paged_decode_attention(q, layer, meta, scale)
+    torch.testing.assert_close(got, kernels_cpu.baseline_decode(q, layer, meta, scale), atol=1e-5, rtol=1e-5)
+    plan = meta._cache["cascade"]
+    assert plan is not None, "rows sharing whole blocks were not found"
+    lens = case.context
+    sharing = [i for i, n in enumerate(lens) if n > case.shared_prefix]
+    assert sorted(r for g in plan.groups for r in g.rows.tolist()) == sharing
+    for group in plan.groups:
+        rows = group.rows.tolist()
+        assert len(rows) >= 2 and {i % case.groups for i in rows} == {rows[0] % case.groups}
+        # Every shared block, and only those: each row keeps at least its last token for itself.
+        want = min(case.shared_prefix, (min(lens[r] for r in rows) - 1) // case.block_size * case.block_size)
+        assert group.prefix_blocks.numel() * case.block_size == want
+    loners = [i for i in range(len(lens)) if i not in sharing]
+    assert (plan.plain_rows.tolist() if plan.plain is not None else []) == loners
+
+
+def test_a_short_shared_prefix_is_not_worth_splitting_off():
+    case = kernels_cpu.Case("", "decode", "auto", 3, [60, 70, 80], shared_prefix=48)
+    q, layer, meta = kernels_cpu._setup(case)
+    reference.paged_decode_attention(q, layer, meta, 0.125)
+    assert meta._cache["cascade"] is None  # 48 tokens < MIN_SHARED_TOKENS: the plain path

@@ -27,12 +27,23 @@ def test_a_decode_step_splits_into_phases_and_op_groups(llm):
     assert groups["matmul"] > 0 and groups["attention"] > 0
     assert sum(groups.values()) == pytest.approx(report["phases_ms"]["forward"], rel=0.02)
     assert report["sequences"] == 16 and report["top_ops"]
+    # The bandwidth limit: SmolLM2-135M's weights in fp32 (538 MB) over a measured read rate.
+    assert 500 < report["weight_mb"] < 560 and report["read_gb_s"] > 0
+    assert report["step_floor_ms"] == pytest.approx(report["weight_mb"] / report["read_gb_s"], rel=0.02)
+    assert 0 < report["share_of_limit"] == pytest.approx(report["step_floor_ms"] / report["step_ms"], abs=0.002)
     # Left as found: the class's own methods, nothing running, every block free or cached.
     assert "forward" not in vars(engine.model) and type(engine.model).forward is forward
     assert "schedule" not in vars(engine.scheduler) and "_prepare" not in vars(engine)
     assert not engine.has_unfinished()
 
 
+def test_one_stream(llm):
+    report = profile_offline(None, steps=2, max_tokens=4, llm=llm, sequences=1)
+    assert report["sequences"] == 1 and report["step_ms"] > report["step_floor_ms"] * 0.5
+
+
 def test_bad_options_say_what_to_give(capsys):
     assert main(["--steps", "10", "--max-tokens", "5"]) == 2
     assert "--steps" in capsys.readouterr().err
+    assert main(["--sequences", "0"]) == 2
+    assert "--sequences" in capsys.readouterr().err

@@ -47,8 +47,8 @@ from test_prometheus_e2e import (
 from test_vllm_managed import VLLM_PYTHON, _chats, real
 from waiting import wait_for
 
-from kvops.processes import free_port
-from kvops.vllm.launch import ServerSettings, start_server, stop_server, wait_ready
+from kvops.processes import free_port, wait_healthy
+from kvops.vllm.launch import ServerSettings, start_server, stop_server
 from kvops.vllm.model_export import default_model_dir
 
 pytestmark = [pytest.mark.vllm, real]
@@ -68,11 +68,7 @@ def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with log_path.open("wb") as log:
         process = start_server(VLLM_PYTHON, settings, log)
         try:
-            try:
-                took = wait_ready(settings, process, timeout_s=420)
-            except RuntimeError as exc:
-                tail = log_path.read_text(errors="replace").splitlines()[-20:]
-                raise AssertionError(f"{exc}; its last lines:\n" + "\n".join(tail)) from None
+            took = wait_healthy(settings.url, process, 420, "vLLM", log_path)
             print(f"\nvLLM watched by kvops: up in {took:.0f} s at {settings.url}")
             _chats(settings.url, CHATS)
             yield settings.url

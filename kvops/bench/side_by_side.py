@@ -41,7 +41,7 @@ import httpx
 
 from kvops import __version__
 from kvops.bench.compare import CompareError, Prompts, Server, discover, machine, run, send_batch, warm_up
-from kvops.processes import free_port
+from kvops.processes import NotReady, free_port, start_engine_server, wait_healthy
 
 KV_BYTES = 2**30
 MAX_MODEL_LEN = 2048
@@ -60,66 +60,43 @@ class Started:
     log_path: Path
 
 
-def _wait(started: Started, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if started.process.poll() is not None:
-            tail = started.log_path.read_text(errors="replace")[-1500:]
-            raise CompareError(f"{started.name} exited with code {started.process.returncode} before it was "
-                               f"ready; the end of its log ({started.log_path}):\n{tail}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{started.url}/health", timeout=2.0, trust_env=False).status_code == 200:
-                return
-        time.sleep(1.0)
-    raise CompareError(f"{started.name} did not answer {started.url}/health within {timeout_s:.0f} s "
-                       f"(its log: {started.log_path})")
-
-
-def _stop(started: Started) -> None:
-    from kvops.vllm.launch import stop_server
-
-    stop_server(started.process)
-
-
 @contextlib.contextmanager
 def servers(workdir: Path, cores: int, vllm_python: Path) -> Iterator[list[Started]]:
     """kvops, vllm and vllm-omp up and answering; all stopped (process groups) on the way out."""
-    from kvops.vllm.install import neutral_cwd
-    from kvops.vllm.launch import ServerSettings, server_argv, server_env
+    from kvops.vllm.launch import ServerSettings, start_server, stop_server
     from kvops.vllm.model_export import export_default_model
 
     model = export_default_model()
     started: list[Started] = []
     logs: list[IO[bytes]] = []
 
-    def launch(name: str, argv: list[str], env: dict[str, str], url: str, cwd: Path | None = None) -> None:
-        log_path = workdir / f"{name}.log"
-        log = log_path.open("wb")
-        logs.append(log)
-        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True, cwd=cwd)
-        started.append(Started(name, url, process, log_path))
+    def log_for(name: str) -> tuple[Path, IO[bytes]]:
+        path = workdir / f"{name}.log"
+        logs.append(path.open("wb"))
+        return path, logs[-1]
 
     try:
         port = free_port()
-        launch("kvops", [sys.executable, "-m", "kvops", "engine", "serve", "--port", str(port),
-                         "--kv-cache-memory", str(KV_BYTES), "--max-model-len", str(MAX_MODEL_LEN)],
-               dict(os.environ), f"http://127.0.0.1:{port}")
+        path, log = log_for("kvops")
+        process = start_engine_server(port, ["--kv-cache-memory", str(KV_BYTES), "--max-model-len",
+                                             str(MAX_MODEL_LEN)], log)
+        started.append(Started("kvops", f"http://127.0.0.1:{port}", process, path))
         for name, omp in (("vllm", None), ("vllm-omp", str(cores))):
             settings = ServerSettings(model=model, port=free_port(), served_model_name="SmolLM2-135M-Instruct",
                                       max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_BYTES)
-            env = server_env(settings)
-            env.pop("OMP_NUM_THREADS", None)
-            if omp is not None:
-                env["OMP_NUM_THREADS"] = omp
-            launch(name, server_argv(vllm_python, settings), env, settings.url, neutral_cwd())
+            path, log = log_for(name)
+            process = start_server(vllm_python, settings, log, env_overrides={"OMP_NUM_THREADS": omp})
+            started.append(Started(name, settings.url, process, path))
         for each in started:
-            _wait(each, 900.0)
+            try:
+                wait_healthy(each.url, each.process, 900.0, each.name, each.log_path)
+            except NotReady as exc:
+                raise CompareError(str(exc)) from None
             print(f"{each.name} ready at {each.url}", file=sys.stderr, flush=True)
         yield started
     finally:
         for each in started:
-            _stop(each)
+            stop_server(each.process)
         for log in logs:
             log.close()
 

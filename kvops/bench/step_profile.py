@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -80,18 +79,35 @@ class PhaseTimer:
                 delattr(owner, attribute)  # the instance attribute hid the class's method
 
 
-def _prompts(engine: Any, context: int | None) -> list[list[int]]:
+def _prompts(engine: Any, context: int | None, sequences: int) -> list[list[int]]:
     from kvops.bench.workloads import CHAT_QUESTIONS, text_prompt
 
     if context is None:
-        return [engine.encode_chat([{"role": "user", "content": q}]) for q in CHAT_QUESTIONS[:16]]
+        return [engine.encode_chat([{"role": "user", "content": CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)]}])
+                for i in range(sequences)]
     import random
 
     rng = random.Random(0)
-    return [text_prompt(engine.tokenizer, rng, i, context) for i in range(16)]
+    return [text_prompt(engine.tokenizer, rng, i, context) for i in range(sequences)]
 
 
-def profile_offline(context: int | None, steps: int, max_tokens: int, llm: Any = None) -> dict[str, Any]:
+def read_bandwidth(megabytes: int = 512, rounds: int = 5) -> float:
+    """Bytes per second this machine streams from memory into torch, with the engine's threads: a sum over a
+    tensor far larger than the caches, the best of a few rounds. A decode step must read every weight once,
+    so weight bytes / this is the floor of a step's time."""
+    import torch
+
+    data = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return data.numel() * 4 / best
+
+
+def profile_offline(context: int | None, steps: int, max_tokens: int, llm: Any = None,
+                    sequences: int = 16) -> dict[str, Any]:
     """The plain and the profiled pass on `llm` (default: a new engine, 1 GiB of KV, max-model-len 2048)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -102,7 +118,7 @@ def profile_offline(context: int | None, steps: int, max_tokens: int, llm: Any =
 
     llm = llm or LLM(EngineConfig(kv_cache_memory="1GiB", max_model_len=2048))
     engine = llm.engine
-    prompts = _prompts(engine, context)
+    prompts = _prompts(engine, context, sequences)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     offline_s = float("inf")
@@ -150,6 +166,9 @@ def profile_offline(context: int | None, steps: int, max_tokens: int, llm: Any =
     op_total = sum(self_us.values()) or 1.0
     forward_ms = phases["forward"] / steps * 1000
     contexts = [len(p) for p in prompts]
+    weight_bytes = engine.model.nbytes  # RoPE tables included: under 1% of it
+    bandwidth = read_bandwidth()
+    floor_ms = weight_bytes / bandwidth * 1000
     return {
         "workload": "chat" if context is None else f"{context}-token prose",
         "sequences": len(prompts), "mean_prompt_tokens": round(sum(contexts) / len(contexts), 1),
@@ -158,6 +177,9 @@ def profile_offline(context: int | None, steps: int, max_tokens: int, llm: Any =
         "step_ms": round(wall / steps * 1000, 2),
         "phases_ms": {p: round(phases[p] / steps * 1000, 3) for p in PHASES},
         "forward_ms_by_group": {g: round(forward_ms * us / op_total, 3) for g, us in sorted(self_us.items())},
+        # The bandwidth limit: every step reads every weight once (tied embeddings counted once).
+        "weight_mb": round(weight_bytes / 1e6, 1), "read_gb_s": round(bandwidth / 1e9, 2),
+        "step_floor_ms": round(floor_ms, 2), "share_of_limit": round(floor_ms / (wall / steps * 1000), 3),
         "top_ops": [{"op": e.key, "self_ms_per_step": round(e.self_cpu_time_total / steps / 1000, 3)}
                     for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]],
         "prompts": prompts,
@@ -168,49 +190,47 @@ def served_seconds(prompts: list[list[int]], max_tokens: int) -> float:
     """The same requests through `kvops engine serve` (a subprocess), after a warm-up; wall seconds, the
     better of two runs as offline."""
     from kvops.bench.compare import Server, send_batch
-    from kvops.processes import free_port
+    from kvops.processes import free_port, start_engine_server, wait_healthy
+    from kvops.vllm.launch import stop_server
 
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "kvops", "engine", "serve", "--port", str(port),
-                                "--kv-cache-memory", "1GiB", "--max-model-len", "2048"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = start_engine_server(port, ["--kv-cache-memory", "1GiB", "--max-model-len", "2048"])
     server = Server("kvops", f"http://127.0.0.1:{port}", "SmolLM2-135M-Instruct")
     try:
-        import httpx
-
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{server.url}/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        wait_healthy(server.url, process, 300.0, "kvops engine serve")
         asyncio.run(send_batch(server, prompts[:2], 4))
         return min(asyncio.run(send_batch(server, [[p[0] + 2 + run, *p[1:]] for p in prompts], max_tokens))[1]
                    for run in range(2))
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        stop_server(process)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvops bench profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--context", type=int, default=None,
                         help="prompt tokens per sequence (prose); default: the 16 chat prompts")
+    parser.add_argument("--sequences", type=int, default=16,
+                        help="sequences decoding together (default: %(default)s; 1: one stream)")
     parser.add_argument("--steps", type=int, default=20, help="decode steps measured (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
     parser.add_argument("--no-http", action="store_true", help="skip the run through the HTTP server")
     parser.add_argument("--json", help="write the report to this file")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.max_tokens <= args.steps or (args.context is not None and not 16 <= args.context
-                                                            <= 2048 - args.max_tokens):
-        print("kvops bench profile: --steps must be at least 1 and below --max-tokens, and --context within "
-              "16..2048 - max-tokens", file=sys.stderr)
+    if args.steps < 1 or args.max_tokens <= args.steps or not 1 <= args.sequences <= 256 or (
+            args.context is not None and not 16 <= args.context <= 2048 - args.max_tokens):
+        print("kvops bench profile: --steps must be at least 1 and below --max-tokens, --sequences within 1..256, "
+              "and --context within 16..2048 - max-tokens", file=sys.stderr)
         return 2
-    report = profile_offline(args.context, args.steps, args.max_tokens)
+    report = profile_offline(args.context, args.steps, args.max_tokens, sequences=args.sequences)
     prompts = report.pop("prompts")
     if not args.no_http:
-        served = served_seconds(prompts, args.max_tokens)
+        from kvops.processes import NotReady
+
+        try:
+            served = served_seconds(prompts, args.max_tokens)
+        except NotReady as exc:
+            print(f"kvops bench profile: the HTTP run could not start: {exc}; --no-http skips it", file=sys.stderr)
+            return 1
         report["served_s"] = round(served, 3)
         report["http_overhead_share"] = round(1 - report["offline_s"] / served, 3)
     if args.json:
@@ -223,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         if phase == "forward":
             for group, gms in report["forward_ms_by_group"].items():
                 print(f"    {group:<12} {gms:8.2f} ms  {gms / step:6.1%}")
+    print(f"  the weights ({report['weight_mb']:.0f} MB) at {report['read_gb_s']:.1f} GB/s read: a step takes at least "
+          f"{report['step_floor_ms']:.1f} ms; this one ran at {report['share_of_limit']:.0%} of that limit")
     if "served_s" in report:
         print(f"  offline {report['offline_s']:.2f} s, over HTTP {report['served_s']:.2f} s: the server adds "
               f"{report['http_overhead_share']:.1%}")

@@ -8,7 +8,6 @@ how long detection and a verified fix took.
 
 from __future__ import annotations
 
-import gc
 import tempfile
 import time
 from collections.abc import Callable
@@ -86,11 +85,6 @@ class ScenarioContext:
         self._wait_ready = wait_ready
 
     def __enter__(self) -> ScenarioContext:
-        # The supervisor and the load generator share this process with whatever ran before (a whole test
-        # session in CI): a full collection over that heap can stall them for long enough to empty a judge's
-        # window. Objects that exist now are left out of collections until the scenario ends.
-        gc.collect()
-        gc.freeze()
         self.sup.start()
         if self._wait_ready:
             self.wait_until("the engine to answer", lambda: self.history.is_up and self.latest is not None, 240)
@@ -98,7 +92,6 @@ class ScenarioContext:
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         self.sup.stop()
-        gc.unfreeze()
         if self._tmp:
             self._tmp.cleanup()
 

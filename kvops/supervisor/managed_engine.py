@@ -215,9 +215,18 @@ class ManagedEngine:
         self.backoff_s = min(self.backoff_s * 2, policy.max_backoff_s)
 
     def stop(self, timeout_s: float | None = None) -> None:
-        """SIGTERM (the engine drains in-flight requests), then SIGKILL after the timeout."""
+        """SIGTERM (the engine drains in-flight requests), then SIGKILL after the timeout. After `close()`,
+        the spawner thread ends too: nothing will be forked from it again."""
         with self._lock:
             self.stopping = True
+            try:
+                self._stop_process(timeout_s)
+            finally:
+                if self.closed:
+                    self._spawner.shutdown(wait=False)
+
+    def _stop_process(self, timeout_s: float | None) -> None:
+        with self._lock:
             process = self.process
             if process is None or process.poll() is not None:
                 self.process = None

@@ -1,4 +1,4 @@
-"""The command line and environment that start vLLM's OpenAI server, and waiting for it to come up or go down.
+"""The command line and environment that start vLLM's OpenAI server, and stopping it.
 
 What it takes on a CPU (docs/vllm.md): `python -m vllm.entrypoints.openai.api_server` (the `vllm` console
 script can fail on missing package metadata), VLLM_USE_AOT_COMPILE=0 (AOT compile fails on the CPU build),
@@ -11,13 +11,10 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
-
-import httpx
 
 from kvops.vllm.install import neutral_cwd
 
@@ -80,29 +77,22 @@ def server_env(settings: ServerSettings, base: Mapping[str, str] | None = None) 
     return env
 
 
-def start_server(python: Path | str, settings: ServerSettings, log: IO[bytes]) -> subprocess.Popen[bytes]:
-    """Start vLLM in its own process group (its engine core is a child process), logging to `log`.
+def start_server(python: Path | str, settings: ServerSettings, log: IO[bytes],
+                 env_overrides: Mapping[str, str | None] | None = None) -> subprocess.Popen[bytes]:
+    """Start vLLM in its own process group (its engine core is a child process), logging to `log`;
+    `env_overrides` sets variables on top of server_env (None unsets one, e.g. OMP_NUM_THREADS).
+    Wait for it with kvops.processes.wait_healthy.
 
     It runs in an empty directory (neutral_cwd): the model path must be absolute.
     """
-    return subprocess.Popen(server_argv(python, settings), env=server_env(settings), stdout=log,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                            cwd=neutral_cwd())
-
-
-def wait_ready(settings: ServerSettings, process: subprocess.Popen[bytes], timeout_s: float = 600.0) -> float:
-    """Seconds until /health answers 200; raises RuntimeError when the process exits or the time runs out."""
-    started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        if process.poll() is not None:
-            raise RuntimeError(f"vLLM exited with code {process.returncode} before it was ready")
-        try:
-            if httpx.get(f"{settings.url}/health", timeout=2.0).status_code == 200:
-                return time.monotonic() - started
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"vLLM did not answer {settings.url}/health within {timeout_s:.0f} s")
+    env = server_env(settings)
+    for key, value in (env_overrides or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return subprocess.Popen(server_argv(python, settings), env=env, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True, cwd=neutral_cwd())
 
 
 def stop_server(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
