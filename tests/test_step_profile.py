@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvops.bench.step_profile import PHASES, group_of, main, profile_offline
+from kvops.bench.step_profile import PHASES, _prompts, group_of, main, profile_offline
 
 
 @pytest.mark.parametrize(("op", "group"), [
@@ -47,3 +47,11 @@ def test_bad_options_say_what_to_give(capsys):
     assert "--steps" in capsys.readouterr().err
     assert main(["--sequences", "0"]) == 2
     assert "--sequences" in capsys.readouterr().err
+    assert main(["--context", "100", "--shared-prefix", "100"]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def test_shared_prefix_prompts_start_alike_and_end_apart(llm):
+    prompts = _prompts(llm.engine, None, 4, shared_prefix=96)
+    assert all(p[:96] == prompts[0][:96] for p in prompts)
+    assert len({tuple(p[96:]) for p in prompts}) == 4

@@ -1,7 +1,8 @@
 """`kvops bench profile`: where one engine step's time goes, and what the HTTP server adds on top.
 
-Sixteen sequences decode together (the chat workload: 16 chat prompts; or ``--context N`` tokens of prose
-each), greedy with ``ignore_eos``. Once every prompt is prefilled, decode steps are measured twice:
+Sixteen sequences (``--sequences``) decode together — the chat workload, ``--context N`` tokens of prose
+each, or ``--shared-prefix N`` tokens of prose shared by all and a question of their own — greedy with
+``ignore_eos``. Once every prompt is prefilled, decode steps are measured twice:
 
 1. plain: the step's wall time, split by wrapping the engine's phases: scheduling, preparing the batch
    (token ids, positions, slot mapping, block tables), the forward pass, sampling, and the bookkeeping
@@ -10,9 +11,11 @@ each), greedy with ``ignore_eos``. Once every prompt is prefilled, decode steps 
    gather/copy, and the rest (norms, RoPE, activations, adds). The groups' shares split the forward time
    of pass 1 (the profiler's own overhead inflates small ops, so its absolute times are not used).
 
-Then the same requests go to a `kvops engine serve` subprocess over HTTP (`/v1/completions`, streamed off),
-and the difference in wall time from the offline run is what the server adds (HTTP, JSON, detokenizing,
-the asyncio hand-off). Nothing here is a timed assertion: docs/benchmarks.md records the numbers.
+The step is set against the bandwidth limit: every decode step reads every weight once, so weight bytes
+over the machine's measured read rate is the least a step can take. Then the same requests go to a
+`kvops engine serve` subprocess over HTTP (`/v1/completions`, streamed off), and the difference in wall
+time from the offline run is what the server adds (HTTP, JSON, detokenizing, the asyncio hand-off).
+Nothing here is a timed assertion: docs/benchmarks.md records the numbers.
 """
 
 from __future__ import annotations
@@ -79,9 +82,15 @@ class PhaseTimer:
                 delattr(owner, attribute)  # the instance attribute hid the class's method
 
 
-def _prompts(engine: Any, context: int | None, sequences: int) -> list[list[int]]:
+def _prompts(engine: Any, context: int | None, sequences: int, shared_prefix: int = 0) -> list[list[int]]:
     from kvops.bench.workloads import CHAT_QUESTIONS, text_prompt
 
+    if shared_prefix:
+        import random
+
+        prefix = text_prompt(engine.tokenizer, random.Random(0), 0, shared_prefix)
+        return [prefix + engine.tokenizer(f"\n{CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)]} ({i})\n").input_ids
+                for i in range(sequences)]
     if context is None:
         return [engine.encode_chat([{"role": "user", "content": CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)]}])
                 for i in range(sequences)]
@@ -107,7 +116,7 @@ def read_bandwidth(megabytes: int = 512, rounds: int = 5) -> float:
 
 
 def profile_offline(context: int | None, steps: int, max_tokens: int, llm: Any = None,
-                    sequences: int = 16) -> dict[str, Any]:
+                    sequences: int = 16, shared_prefix: int = 0) -> dict[str, Any]:
     """The plain and the profiled pass on `llm` (default: a new engine, 1 GiB of KV, max-model-len 2048)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -118,7 +127,7 @@ def profile_offline(context: int | None, steps: int, max_tokens: int, llm: Any =
 
     llm = llm or LLM(EngineConfig(kv_cache_memory="1GiB", max_model_len=2048))
     engine = llm.engine
-    prompts = _prompts(engine, context, sequences)
+    prompts = _prompts(engine, context, sequences, shared_prefix)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     offline_s = float("inf")
@@ -170,7 +179,8 @@ def profile_offline(context: int | None, steps: int, max_tokens: int, llm: Any =
     bandwidth = read_bandwidth()
     floor_ms = weight_bytes / bandwidth * 1000
     return {
-        "workload": "chat" if context is None else f"{context}-token prose",
+        "workload": (f"{shared_prefix}-token shared prefix + a question" if shared_prefix else
+                     "chat" if context is None else f"{context}-token prose"),
         "sequences": len(prompts), "mean_prompt_tokens": round(sum(contexts) / len(contexts), 1),
         "max_tokens": max_tokens, "steps": steps, "torch_threads": torch.get_num_threads(),
         "offline_s": round(offline_s, 3),
@@ -211,17 +221,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="prompt tokens per sequence (prose); default: the 16 chat prompts")
     parser.add_argument("--sequences", type=int, default=16,
                         help="sequences decoding together (default: %(default)s; 1: one stream)")
+    parser.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                        help="every sequence starts with the same N tokens of prose, then its own question")
     parser.add_argument("--steps", type=int, default=20, help="decode steps measured (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
     parser.add_argument("--no-http", action="store_true", help="skip the run through the HTTP server")
     parser.add_argument("--json", help="write the report to this file")
     args = parser.parse_args(argv)
+    longest = 2048 - args.max_tokens - 64  # room for a question after a shared prefix
     if args.steps < 1 or args.max_tokens <= args.steps or not 1 <= args.sequences <= 256 or (
-            args.context is not None and not 16 <= args.context <= 2048 - args.max_tokens):
+            args.context is not None and not 16 <= args.context <= longest) or not 0 <= args.shared_prefix <= longest \
+            or (args.context is not None and args.shared_prefix):
         print("kvops bench profile: --steps must be at least 1 and below --max-tokens, --sequences within 1..256, "
-              "and --context within 16..2048 - max-tokens", file=sys.stderr)
+              "--context or --shared-prefix (not both) within 16..1984 - max-tokens", file=sys.stderr)
         return 2
-    report = profile_offline(args.context, args.steps, args.max_tokens, sequences=args.sequences)
+    report = profile_offline(args.context, args.steps, args.max_tokens, sequences=args.sequences,
+                             shared_prefix=args.shared_prefix)
     prompts = report.pop("prompts")
     if not args.no_http:
         from kvops.processes import NotReady
