@@ -51,11 +51,11 @@ async def one_round(url: str, requests: int, max_tokens: int) -> float:
         return sum(tokens) / (time.perf_counter() - started)
 
 
-def poll(url: str, rate: float, stop: threading.Event, counter: list[int]) -> None:
+def poll(url: str, rate: float, stop: threading.Event, counter: list[int], path: str = "/stats") -> None:
     with httpx.Client(base_url=url, timeout=10) as http:
         while not stop.is_set():
             started = time.monotonic()
-            http.get("/stats").raise_for_status()
+            http.get(path).raise_for_status()
             counter[0] += 1
             stop.wait(max(0.0, 1 / rate - (time.monotonic() - started)))
 
@@ -66,10 +66,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each kind, alternating (default 3)")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--path", default="/stats",
+                        help="what the poller reads (default /stats; /health: the cost of the HTTP round trip alone)")
+    parser.add_argument("--threads", default=None, help="the engine's --threads (default: its own, auto)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     configure_logging("warning")  # the engine's forwarded log lines would bury the numbers
-    engine = start_engine({"kv_cache_memory": "256MiB", "max_model_len": 2048})
+    engine_args: dict[str, object] = {"kv_cache_memory": "256MiB", "max_model_len": 2048}
+    if args.threads is not None:
+        engine_args["threads"] = args.threads
+    engine = start_engine(engine_args)
     url = engine.url
     try:
         asyncio.run(one_round(url, 2, 4))  # warm-up
@@ -79,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.rounds):
             plain.append(asyncio.run(one_round(url, args.requests, args.max_tokens)))
             stop, counter = threading.Event(), [0]
-            poller = threading.Thread(target=poll, args=(url, args.rate, stop, counter), daemon=True)
+            poller = threading.Thread(target=poll, args=(url, args.rate, stop, counter, args.path), daemon=True)
             started = time.perf_counter()
             poller.start()
             polled.append(asyncio.run(one_round(url, args.requests, args.max_tokens)))
@@ -90,9 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         engine.stop()
     ratio = statistics.median(polled) / statistics.median(plain)
     report = {"command": "python benchmarks/polling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "rate_hz": args.rate, "achieved_poll_hz": polls, "unpolled_tok_s": [round(x, 1) for x in plain],
+              "rate_hz": args.rate, "path": args.path, "threads": args.threads, "achieved_poll_hz": polls,
+              "unpolled_tok_s": [round(x, 1) for x in plain],
               "polled_tok_s": [round(x, 1) for x in polled], "ratio": round(ratio, 4)}
-    print(f"unpolled tok/s {report['unpolled_tok_s']}, polled at {args.rate} Hz {report['polled_tok_s']} "
+    print(f"unpolled tok/s {report['unpolled_tok_s']}, {args.path} polled at {args.rate} Hz {report['polled_tok_s']} "
           f"(achieved {polls} Hz): ratio of medians {ratio:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
