@@ -82,10 +82,9 @@ def torch_rows(weights: list[torch.Tensor]) -> tuple[int, dict[str, list[float]]
     generator = torch.Generator().manual_seed(0)
     timings: dict[str, list[float]] = {"torch": [], "onednn": []}
     rows, previous = 0, 0
+    widths = sorted({w.shape[1] for w in weights})
     for m in PROBE_ROWS:
-        x = torch.randn(m, weights[0].shape[1], generator=generator).to(weights[0].dtype)
-        inputs = {w.shape[1]: x if w.shape[1] == x.shape[1] else
-                  torch.randn(m, w.shape[1], generator=generator).to(w.dtype) for w in weights}
+        inputs = {k: torch.randn(m, k, generator=generator).to(weights[0].dtype) for k in widths}
         best: dict[str, float] = {}
         for name, fn in (("onednn", _onednn_linear), ("torch", _torch_linear)) * 2:
             started = time.perf_counter()

@@ -83,19 +83,17 @@ class PhaseTimer:
 
 
 def _prompts(engine: Any, context: int | None, sequences: int, shared_prefix: int = 0) -> list[list[int]]:
+    import random
+
     from kvops.bench.workloads import CHAT_QUESTIONS, text_prompt
 
     if shared_prefix:
-        import random
-
         prefix = text_prompt(engine.tokenizer, random.Random(0), 0, shared_prefix)
         return [prefix + engine.tokenizer(f"\n{CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)]} ({i})\n").input_ids
                 for i in range(sequences)]
     if context is None:
         return [engine.encode_chat([{"role": "user", "content": CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)]}])
                 for i in range(sequences)]
-    import random
-
     rng = random.Random(0)
     return [text_prompt(engine.tokenizer, rng, i, context) for i in range(sequences)]
 

@@ -226,21 +226,21 @@ class ManagedEngine:
                     self._spawner.shutdown(wait=False)
 
     def _stop_process(self, timeout_s: float | None) -> None:
-        with self._lock:
-            process = self.process
-            if process is None or process.poll() is not None:
-                self.process = None
-                return
-            process.send_signal(signal.SIGTERM)  # the server alone: it drains, then stops what it forked
-            try:
-                process.wait(timeout=(timeout_s or self.spec.drain_timeout_s) + 5)
-            except subprocess.TimeoutExpired:
-                log.warning("engine did not stop in time; killing it", engine=self.spec.name, pid=process.pid)
-                process.kill()
-                process.wait()
-            _kill_group(process)
-            log.info("engine stopped", engine=self.spec.name, exit_code=process.returncode)
+        """The body of `stop`, under its lock."""
+        process = self.process
+        if process is None or process.poll() is not None:
             self.process = None
+            return
+        process.send_signal(signal.SIGTERM)  # the server alone: it drains, then stops what it forked
+        try:
+            process.wait(timeout=(timeout_s or self.spec.drain_timeout_s) + 5)
+        except subprocess.TimeoutExpired:
+            log.warning("engine did not stop in time; killing it", engine=self.spec.name, pid=process.pid)
+            process.kill()
+            process.wait()
+        _kill_group(process)
+        log.info("engine stopped", engine=self.spec.name, exit_code=process.returncode)
+        self.process = None
 
     def restart_with(self, args: dict[str, Any]) -> None:
         """Drain and stop, then start with new settings and wait until healthy (a restart fix). When the
