@@ -2,7 +2,9 @@
 
 Everything that touches the engine's state (adding, aborting, admin changes, snapshots) runs on
 the step-loop thread, submitted through `call`, so the scheduler and the block manager never
-see two threads at once.
+see two threads at once. The one exception is `/stats` while someone polls it: the step loop keeps a
+serialized snapshot for it between steps (`snapshot_cache.py`), invalidated by every command and by
+every step that finishes a request.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import structlog
 from kvops.engine.engine import LLMEngine, RequestOutput
 from kvops.engine.metrics import EngineMetrics
 from kvops.engine.sampling import SamplingParams
+from kvops.engine.snapshot_cache import SnapshotCache
 
 log = structlog.get_logger("kvops.engine.loop")
 
@@ -51,6 +54,7 @@ class AsyncEngine:
         self.heartbeat = time.monotonic()
         self.error: BaseException | None = None
         self.accepting = True
+        self.snapshots = SnapshotCache(engine.snapshot)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -127,7 +131,11 @@ class AsyncEngine:
                 self.heartbeat = time.monotonic()
                 self._run_commands()
                 if self.engine.has_unfinished() or self.engine.block_manager.pending_free:
-                    self._dispatch(self.engine.step())  # a step also reclaims aborted blocks
+                    outputs = self.engine.step()  # a step also reclaims aborted blocks
+                    if any(out.finished for out in outputs):
+                        self.snapshots.invalidate()  # before its client can see it finished
+                    self._dispatch(outputs)
+                    self.snapshots.refresh_if_polled()
                 else:
                     self._wakeup.wait(0.5)
                     self._wakeup.clear()
@@ -145,6 +153,7 @@ class AsyncEngine:
                 return
             if not future.set_running_or_notify_cancel():
                 continue
+            self.snapshots.invalidate()  # whatever it changes, its caller may read back at once
             try:
                 future.set_result(fn())
             except Exception as exc:

@@ -81,7 +81,6 @@ def torch_rows(weights: list[torch.Tensor]) -> tuple[int, dict[str, list[float]]
     backends interleaved so a slow spell of the machine hits both)."""
     generator = torch.Generator().manual_seed(0)
     timings: dict[str, list[float]] = {"torch": [], "onednn": []}
-    rows, previous = 0, 0
     widths = sorted({w.shape[1] for w in weights})
     for m in PROBE_ROWS:
         inputs = {k: torch.randn(m, k, generator=generator).to(weights[0].dtype) for k in widths}
@@ -93,7 +92,16 @@ def torch_rows(weights: list[torch.Tensor]) -> tuple[int, dict[str, list[float]]
             best[name] = min(best.get(name, float("inf")), time.perf_counter() - started)
         for name in timings:
             timings[name].append(round(best[name] * 1000, 2))
-        if rows == previous and best["torch"] < _CLEAR_WIN * best["onednn"]:
-            rows = m  # only a run from one row up: the split is one threshold
-        previous = m
-    return rows, timings
+    return torch_rows_from(timings), timings
+
+
+def torch_rows_from(timings: dict[str, list[float]]) -> int:
+    """The split from timings per PROBE_ROWS count: the largest count up to which F.linear is clearly faster at
+    every count from one row up (0: not even at one row). One threshold, so a win at 4 rows after a loss at 2
+    does not count."""
+    rows = 0
+    for m, torch_ms, onednn_ms in zip(PROBE_ROWS, timings["torch"], timings["onednn"], strict=True):
+        if torch_ms >= _CLEAR_WIN * onednn_ms:
+            break
+        rows = m
+    return rows

@@ -56,6 +56,7 @@ from kvops.schema.admin import (
     PrefixCachingBody,
     TenantBody,
 )
+from kvops.schema.snapshot import SNAPSHOT_SOURCE_HEADER, STEPS_KEPT_HEADER
 
 log = structlog.get_logger("kvops.engine.server")
 
@@ -345,9 +346,16 @@ def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s
         return JSONResponse({"status": "ok", "model": engine.model_name})
 
     @app.get("/stats")
-    async def stats() -> Response:
-        snapshot = await runner.run(engine.snapshot)
-        return Response(snapshot.model_dump_json(), media_type="application/json")
+    async def stats(steps_after: float | None = None) -> Response:
+        entry = runner.snapshots.serve()
+        source = "cached"
+        if entry is None:
+            entry, source = await runner.run(runner.snapshots.refresh), "built"
+        headers = {SNAPSHOT_SOURCE_HEADER: source}
+        if steps_after is None:
+            return Response(entry.body, media_type="application/json", headers=headers)
+        headers[STEPS_KEPT_HEADER] = str(engine.stats.steps.maxlen)  # for the poller to merge the steps it holds
+        return Response(entry.steps_after(steps_after), media_type="application/json", headers=headers)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -29,6 +29,7 @@ from kvops.supervisor.config import KvopsConfig
 from kvops.supervisor.engine_client import EngineClient
 from kvops.supervisor.fixes import FixManager, Target
 from kvops.supervisor.history import EngineHistory
+from kvops.supervisor.http_client import HttpClient
 from kvops.supervisor.supervisor import Supervisor
 
 NORMALIZE = Fix(kind=FixKind.ADMIN, action="set_normalization", params={"mode": "on"}, description="normalize",
@@ -89,7 +90,7 @@ def test_revert_with_the_engine_unreachable_answers_503_then_retries(tmp_path: P
     sup = SimpleNamespace(fixes=fixes, admin_token="sup-token", engines={}, config=KvopsConfig())
     api = TestClient(build_supervisor_app(sup))  # type: ignore[arg-type]
     working = client._http
-    client._http = httpx.Client(base_url="http://127.0.0.1:9", timeout=0.5)  # nothing listens there
+    client._http = HttpClient("http://127.0.0.1:9", timeout_s=0.5)  # nothing listens there
     started = time.monotonic()
     response = api.post(f"/api/fixes/{queued.id}/revert", headers={"Authorization": "Bearer sup-token"})
     assert response.status_code == 503, response.text

@@ -33,6 +33,27 @@ def test_rate_and_delta_survive_a_counter_reset():
     assert history.rate(get, 60) == pytest.approx(35 / 4)
 
 
+def test_the_same_snapshot_polled_twice_is_kept_once():
+    # an engine's /stats answers from a snapshot its step loop refreshes every 100 ms: a faster poller sees
+    # one snapshot twice, which would be a zero-length interval in every rate
+    history = EngineHistory("e")
+    for t in (100.0, 100.0, 100.1, 100.1, 100.2):
+        history.add(snapshot(t))
+    assert [s.time for s in history.snapshots] == [100.0, 100.1, 100.2]
+
+
+def test_polled_faster_than_its_resolution_it_keeps_the_newest_and_one_per_interval():
+    history = EngineHistory("e", resolution_s=0.5)
+    for i in range(21):  # 10 Hz for 2 s
+        history.add(snapshot(100.0 + i * 0.1, requests={"preemptions_total": i}))
+    times = [round(s.time, 1) for s in history.snapshots]
+    assert times == [100.0, 100.5, 101.0, 101.5, 102.0]
+    assert history.latest is not None and history.latest.requests.preemptions_total == 20
+    assert history.delta(lambda s: s.requests.preemptions_total, 60) == 20  # counters lose nothing
+    history.add(snapshot(102.1))
+    assert [round(s.time, 1) for s in history.snapshots][-2:] == [102.0, 102.1]  # the newest is always kept
+
+
 def test_trend_of_a_falling_gauge():
     history = EngineHistory("e")
     for i in range(10):

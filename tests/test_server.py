@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -17,8 +18,8 @@ import openai
 import pytest
 
 from kvops.loadgen import Lengths, LoadError, LoadSpec, Stream, run_load
-from kvops.schema.snapshot import Snapshot
-from kvops.supervisor.engine_client import EngineClient, EngineUnreachable
+from kvops.schema.snapshot import Snapshot, StepSample
+from kvops.supervisor.engine_client import EngineClient, EngineUnreachable, merge_steps
 
 MODEL = "SmolLM2-135M-Instruct"
 TOKEN = "test-admin-token"
@@ -155,6 +156,69 @@ def test_health_stats_metrics_models(server):
     metrics = httpx.get(f"{server}/metrics").text
     assert "kvops_kv_blocks{state=\"free\"}" in metrics and "kvops_prefix_cache_queries_total" in metrics
     assert httpx.get(f"{server}/v1/models").json()["data"][0]["id"] == MODEL
+
+
+def test_polled_stats_come_from_the_step_loop_and_still_count_what_a_client_just_saw(server):
+    # A poller at 10 Hz while requests run: most answers are the snapshot the step loop keeps (no wait for
+    # the step in progress), yet a client that saw its request finish reads it counted in the next /stats.
+    answers: list[tuple[str, float]] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(timeout=30) as http:
+            while not stop.is_set():
+                response = http.get(f"{server}/stats")
+                answers.append((response.headers["X-Kvops-Snapshot"], Snapshot.model_validate_json(response.text).time))
+                time.sleep(0.1)
+
+    before = stats(server).requests.finished_total
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        time.sleep(0.3)  # the step loop refreshes only for an engine someone polls
+        for i in range(4):
+            body = {"model": MODEL, "prompt": f"Polling check {i}: count slowly", "max_tokens": 24, "ignore_eos": True}
+            assert httpx.post(f"{server}/v1/completions", json=body, timeout=120).status_code == 200
+            assert stats(server).requests.finished_total == before + i + 1
+    finally:
+        stop.set()
+        poller.join()
+    sources = [source for source, _ in answers]
+    assert set(sources) <= {"cached", "built"} and sources.count("cached") >= len(sources) // 2, sources
+    times = [when for _, when in answers]
+    assert times == sorted(times)
+
+
+def test_the_supervisors_client_reads_only_new_steps_and_keeps_the_whole_series(server, client):
+    engine = EngineClient(server, timeout_s=30)
+    try:
+        client.completions.create(model=MODEL, prompt="Step series, part one", max_tokens=6, temperature=0)
+        wait_idle(server)
+        first = engine.snapshot()  # the whole snapshot
+        assert first.steps
+        after = httpx.get(f"{server}/stats", params={"steps_after": repr(first.steps[-1].t)}, timeout=30)
+        assert after.headers["X-Kvops-Steps-Kept"] == "512"
+        assert Snapshot.model_validate_json(after.text).steps == []  # nothing stepped since
+        client.completions.create(model=MODEL, prompt="Step series, part two", max_tokens=6, temperature=0)
+        wait_idle(server)
+        merged = engine.snapshot()  # only the newer steps crossed the wire
+        whole = stats(server)
+        assert merged.steps == whole.steps and merged.steps[-1].t > first.steps[-1].t
+        assert any(step is first.steps[-1] for step in merged.steps)  # held steps are shared, not copies
+        bad = httpx.get(f"{server}/stats", params={"steps_after": "yesterday"}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "query.steps_after"
+        assert "number" in bad.json()["error"]["message"]
+    finally:
+        engine.close()
+
+
+def test_merged_steps_keep_the_engines_window():
+    held = [StepSample(t=t, duration_s=0.01, num_seqs=1, num_tokens=1, decode_only=True, max_context_len=8)
+            for t in range(1, 6)]
+    newer = [held[0].model_copy(update={"t": t}) for t in (6, 7)]
+    assert [s.t for s in merge_steps(held, newer, 5)] == [3, 4, 5, 6, 7]
+    assert [s.t for s in merge_steps(held, newer, 512)] == [1, 2, 3, 4, 5, 6, 7]
+    assert [s.t for s in merge_steps(held, newer, 1)] == [7]
 
 
 def test_admin_requires_the_token_and_changes_are_reflected(server):

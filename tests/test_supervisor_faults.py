@@ -48,6 +48,25 @@ def test_a_rule_that_raises_is_counted_and_the_others_still_run(tmp_path: Path, 
     assert any(d.rule == "engine_down" for d in sup.diagnoses)  # the other rules were not blinded
 
 
+def test_polls_faster_than_the_evaluation_interval_run_the_rules_every_nth_poll(tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch):
+    # poll at 10 Hz (kvops top's live numbers), judge at 2 Hz: the rules run on polls 1, 6, 11
+    runs: list[int] = []
+
+    def counted(*_: object) -> list[Diagnosis]:
+        runs.append(1)
+        return []
+
+    monkeypatch.setitem(RULES, "queueing", dataclasses.replace(RULES["queueing"], evaluate=counted))
+    sup = Supervisor(parse_config({
+        "supervisor": {"state_dir": str(tmp_path), "poll_interval_s": 0.1, "evaluation_interval_s": 0.5},
+        "engines": [{"name": "e0", "url": "http://127.0.0.1:9"}],
+    }, "test"))
+    assert sup.evaluate_every == 5 and sup.engines["e0"].history.resolution_s == 0.5
+    for _ in range(11):
+        sup.poll_once()
+    assert len(runs) == 3 and sup.polls_total == 11
+    assert len(sup.engines["e0"].history.health) == 11  # every poll still reads the engine
 
 
 def test_a_fault_reading_one_engine_is_counted_and_the_others_are_still_polled(tmp_path: Path):

@@ -150,6 +150,10 @@ class SupervisorSettings(_Strict):
     listen: str = "127.0.0.1:9400"
     state_dir: str = Field(default_factory=lambda: platformdirs.user_state_dir("kvops"))
     poll_interval_s: float = Field(0.5, gt=0, le=60)
+    # Rules, alerts and fixes run this often at most, and the history keeps snapshots this far apart (the
+    # newest aside): a faster poll refreshes the live numbers (`kvops top`, /metrics) without making every
+    # rule read five times the snapshots five times as often.
+    evaluation_interval_s: float = Field(0.5, gt=0, le=60)
     verify_after_s: float = Field(60.0, gt=0)  # the judge's windows: this long before a fix, and after it took effect
     fix_cooldown_s: float = Field(600.0, ge=0)  # after a fix job ends, no other fix for the same (rule, subject)
     inconclusive: Literal["rollback", "keep"] = "rollback"  # a fix that cannot be judged, even after one extension

@@ -33,6 +33,11 @@ class EngineHistory:
     full_rate_s: float = 300.0  # keep every snapshot this recent
     bucket_s: float = 10.0  # older ones: one per bucket
     max_age_s: float = 3600.0
+    # Kept snapshots are at least this far apart, except the newest: a poller faster than that replaces the
+    # newest instead of adding one, so the rules' windows hold as many snapshots at 10 Hz as at 2 Hz
+    # (counters are cumulative, and each snapshot repeats the last 512 steps: nothing is lost but gauges
+    # between samples). 0: keep every snapshot.
+    resolution_s: float = 0.0
     _older: deque[Snapshot] = field(default_factory=deque, repr=False)  # downsampled: one per bucket
     _recent: deque[Snapshot] = field(default_factory=deque, repr=False)  # every snapshot of full_rate_s
     health: deque[HealthSample] = field(default_factory=lambda: deque(maxlen=1000))
@@ -45,6 +50,11 @@ class EngineHistory:
     # ----------------------------------------------------------- recording
 
     def add(self, snap: Snapshot) -> None:
+        if self._recent and snap.time == self._recent[-1].time:
+            return  # the same snapshot again: polled faster than the engine's /stats cache refreshes
+        if len(self._recent) >= 2 and self._recent[-1].time - self._recent[-2].time < self.resolution_s:
+            self._recent[-1] = snap  # the newest was too close to the one before: it was only the latest
+            return
         self._recent.append(snap)
         self._compact(snap.time)
 

@@ -80,7 +80,7 @@ class Supervisor:
         self.rule_settings = config.rule_settings()
         self.engines: dict[str, EngineState] = {}
         for spec in config.engines:
-            history = EngineHistory(spec.name, managed=spec.managed)
+            history = EngineHistory(spec.name, managed=spec.managed, resolution_s=settings.evaluation_interval_s)
             probes = Probes(spec.name, history, settings.block_size_profile, clock=clock)
             if spec.managed:
                 managed = ManagedEngine(spec, history, clock=clock)
@@ -100,6 +100,9 @@ class Supervisor:
         self.fixes.resume({name: (dict(s.spec.args), partial(_set_args, s.managed))
                            for name, s in self.engines.items() if s.managed is not None})
         self.diagnoses: list[Diagnosis] = []
+        # Rules run on every n-th poll: evaluation_interval_s in polls, counted rather than timed so that a
+        # late poll does not skip an evaluation.
+        self.evaluate_every = max(1, round(settings.evaluation_interval_s / settings.poll_interval_s))
         self.polls_total = 0
         self.poll_errors: dict[str, int] = {name: 0 for name in self.engines}
         self.last_poll_s = 0.0
@@ -155,6 +158,10 @@ class Supervisor:
         with self._lock:
             now = self.clock()
             list(self._readers.map(lambda state: self._read_engine(state, now), self.engines.values()))
+            if self.polls_total % self.evaluate_every:
+                self.polls_total += 1
+                self.last_poll_s = time.perf_counter() - started
+                return self.diagnoses
             raised: list[Diagnosis] = []
             for state in self.engines.values():
                 errors: Counter[str] = Counter()
