@@ -67,6 +67,11 @@ def test_polls_faster_than_the_evaluation_interval_run_the_rules_every_nth_poll(
         sup.poll_once()
     assert len(runs) == 3 and sup.polls_total == 11
     assert len(sup.engines["e0"].history.health) == 11  # every poll still reads the engine
+    slower = Supervisor(parse_config({  # polled about as often as judged: every poll judged, every snapshot kept
+        "supervisor": {"state_dir": str(tmp_path), "poll_interval_s": 0.4, "evaluation_interval_s": 0.5},
+        "engines": [{"name": "e0", "url": "http://127.0.0.1:9"}],
+    }, "test"))
+    assert slower.evaluate_every == 1 and slower.engines["e0"].history.resolution_s == 0
 
 
 def test_a_fault_reading_one_engine_is_counted_and_the_others_are_still_polled(tmp_path: Path):

@@ -12,8 +12,11 @@ TITLE = "Whitespace-noisy prompts: shadow predicts the gain, normalization deliv
 
 
 def _load(seed: int, duration_s: float) -> LoadSpec:
+    # Arrivals at a fixed rate: with Poisson ones the 10-15 s windows the judge compares carried ±16% more or
+    # fewer requests by chance, which its throughput guard read as the fix slowing the engine (7.6 -> 6.5 tok/s
+    # with this seed; the guard broke in one CI run of three).
     return LoadSpec(seed=seed, duration_s=duration_s, streams=[Stream(
-        tenant="support", rate=3.0, arrival="poisson", shared_prefix_tokens=96, prefix_groups=1, noise=0.8,
+        tenant="support", rate=3.0, arrival="fixed", shared_prefix_tokens=96, prefix_groups=1, noise=0.8,
         prompt=Lengths(dist="fixed", value=16), output=Lengths(dist="fixed", value=2))])
 
 
