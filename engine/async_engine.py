@@ -3,7 +3,7 @@
 Everything that touches the engine's state (adding, aborting, admin changes, snapshots) runs on
 the step-loop thread, submitted through `call`, so the scheduler and the block manager never
 see two threads at once. The one exception is `/stats` while someone polls it: the step loop keeps a
-serialized snapshot for it between steps (`snapshot_cache.py`), invalidated by every command and by
+snapshot built for it between steps (`snapshot_cache.py`), invalidated by every command and by
 every step that finishes a request.
 """
 

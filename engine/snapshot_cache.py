@@ -1,9 +1,9 @@
-"""`/stats` without waiting for the step loop: a snapshot the step loop keeps serialized while someone polls.
+"""`/stats` without waiting for the step loop: a snapshot the step loop keeps fresh while someone polls.
 
 Handing every `/stats` request to the step thread made a poller wait for the step in progress and wake
 the event loop while the step thread ran: at 10 Hz that cost 5-8% of throughput on a 2-vCPU machine
-(docs/benchmarks.md, "Supervisor polling"). So while polls keep coming, the step loop re-serializes the
-snapshot between steps every REFRESH_S, and the server sends those bytes without crossing threads.
+(docs/benchmarks.md, "Supervisor polling"). So while polls keep coming, the step loop rebuilds the
+snapshot between steps every REFRESH_S, and the server serializes and sends it without crossing threads.
 
 What a cached snapshot may miss is bounded, and never something a client could have just seen:
 - it is at most MAX_AGE_S old;
@@ -20,6 +20,7 @@ the event loop. The shared fields are a counter with one writer and one immutabl
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -27,17 +28,22 @@ from dataclasses import dataclass
 
 from kvops.schema.snapshot import Snapshot
 
-REFRESH_S = 0.1  # how often the step loop re-serializes while polled: one refresh per 10 Hz poll
+REFRESH_S = 0.1  # how often the step loop rebuilds while polled: one refresh per 10 Hz poll
 MAX_AGE_S = 0.25  # older than this, /stats builds a new one (a long prefill step outlasts the refresh)
 INTEREST_S = 2.0  # no poll for this long: stop refreshing (an unpolled engine pays nothing)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class CachedSnapshot:
-    snapshot: Snapshot
-    body: bytes  # its JSON, as /stats sends it
+    snapshot: Snapshot  # built on the step thread, never changed after: serializing it needs no other thread
     epoch: int  # the cache's epoch when it was built
     built_at: float  # monotonic seconds
+
+    @functools.cached_property
+    def body(self) -> bytes:
+        """Its JSON, as `/stats` sends it: serialized when first asked for, since the supervisor asks only for
+        `steps_after` (two racing requests may both serialize it; the results are equal)."""
+        return self.snapshot.model_dump_json().encode()
 
     def steps_after(self, t: float) -> bytes:
         """Its JSON with only the steps newer than `t`: a poller holding the rest (kvops.supervisor.engine_client)
@@ -64,8 +70,7 @@ class SnapshotCache:
         self._epoch += 1
 
     def refresh(self) -> CachedSnapshot:
-        snapshot = self._build()
-        entry = CachedSnapshot(snapshot, snapshot.model_dump_json().encode(), self._epoch, self._clock())
+        entry = CachedSnapshot(self._build(), self._epoch, self._clock())
         self._entry = entry
         self.built_total += 1
         return entry
