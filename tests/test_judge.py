@@ -131,6 +131,18 @@ def test_gauge_and_step_measures() -> None:
     assert measure("overcommit", window(lambda i, t: {"engine": {"num_blocks": 256}})).value == pytest.approx(2.0)
 
 
+def test_latency_means_come_from_the_histograms_where_a_server_reports_only_those() -> None:
+    # vLLM and SGLang report TTFT and inter-token latency as histograms; `requests`' running sums stay 0.
+    def histogram(total: float, count: int) -> dict[str, Any]:
+        return {"buckets": [0.1, 1.0], "counts": [count, 0, 0], "sum": total, "count": count,
+                "p50": None, "p95": None, "p99": None}
+
+    snaps = window(lambda i, t: {"itl": histogram(0.04 * 100 * i, 100 * i), "ttft": histogram(0.5 * 3 * i, 3 * i)})
+    assert measure("itl_mean_s", snaps).value == pytest.approx(0.04)
+    assert measure("ttft_mean_s", snaps).value == pytest.approx(0.5)
+    assert measure("itl_mean_s", window(traffic_scene())).value is None  # neither sums nor a histogram
+
+
 def test_unreported_and_untrafficked_measures_are_none() -> None:
     unreported = window(traffic_scene(unknown=["swap", "requests.ttft_seconds_sum"]))
     assert measure("swap_out_per_s", unreported).value is None
@@ -157,7 +169,8 @@ def test_parts_split_the_window_evenly() -> None:
     assert all(a[-1] is b[0] for a, b in itertools.pairwise(pieces))  # boundaries shared
     assert set(MEASURES) >= {"hit_rate", "preemptions_per_s", "swap_out_per_s", "victims_hit_rate",
                              "evictions_caused_per_s", "throughput_tokens_per_s", "ttft_mean_s", "error_share",
-                             "decode_step_ms", "slot_efficiency", "kv_usage_max", "overcommit"}
+                             "decode_step_ms", "slot_efficiency", "kv_usage_max", "overcommit", "itl_mean_s",
+                             "waiting_mean"}
     assert MEASURES["hit_rate"](snaps, "").value == pytest.approx(0.3)
 
 
@@ -216,6 +229,50 @@ def test_a_broken_guard_is_worse() -> None:
     # 5% slower is within the tolerance.
     assert judge(HIT_RATE, window(traffic_scene(hits=300, gen=400), BEFORE_END),
                  window(traffic_scene(hits=600, gen=380))).kind is VerdictKind.IMPROVED
+
+
+def paced(gen: Rate, itl_s: float, waiting: int = 0, **counters: Any) -> Callable[[int, float], dict[str, Any]]:
+    """traffic_scene, with `itl_s` seconds between a request's tokens and `waiting` requests queued."""
+    base = traffic_scene(gen=gen, **counters)
+
+    def scene(i: int, t: float) -> dict[str, Any]:
+        tokens = cumulative(gen, i)
+        return merged(base(i, t), {"requests": {"waiting": waiting, "itl_seconds_sum": itl_s * tokens,
+                                                "itl_count": round(tokens)}})
+
+    return scene
+
+
+def test_a_throughput_fall_with_less_traffic_is_no_slowdown() -> None:
+    # Open-loop traffic dips after the fix: 2 requests per interval instead of 3, 240 tokens instead of 400 (-40%).
+    # Nothing waited and each token took as long as before: the engine generated what was asked of it.
+    before = window(paced(gen=400, itl_s=0.05, hits=300, finished=3), BEFORE_END)
+    after = window(paced(gen=240, itl_s=0.048, hits=600, finished=2))
+    assert measure("itl_mean_s", before).value == pytest.approx(0.05)
+    assert measure("waiting_mean", window(paced(gen=240, itl_s=0.05, waiting=2))).value == 2
+    verdict = judge(HIT_RATE, before, after)
+    assert verdict.kind is VerdictKind.IMPROVED
+    throughput = verdict.guards[0]
+    assert (throughput.before, throughput.after, throughput.ok) == (pytest.approx(80), pytest.approx(48), True)
+    assert throughput.note == "demand fell: 0 requests waiting on average after the fix, 50→48 ms between tokens"
+    assert "guards held: throughput 80→48 tok/s (demand fell: " in verdict.message
+
+
+@pytest.mark.parametrize(("waiting", "itl_after"), [(2, 0.05), (0, 0.07)], ids=["requests-waited", "tokens-slower"])
+def test_a_throughput_fall_with_a_queue_or_slower_tokens_breaks_the_guard(waiting: int, itl_after: float) -> None:
+    before = window(paced(gen=400, itl_s=0.05, hits=300, finished=3), BEFORE_END)
+    after = window(paced(gen=240, itl_s=itl_after, waiting=waiting, hits=600, finished=2))
+    verdict = judge(HIT_RATE, before, after)
+    assert verdict.kind is VerdictKind.WORSE
+    assert verdict.guards[0].ok is False and verdict.guards[0].note == ""
+    assert "guard broke: throughput 80→48 tok/s" in verdict.message
+
+
+def test_a_throughput_fall_counts_where_the_source_reports_no_token_latency() -> None:
+    before = window(traffic_scene(hits=300, gen=400), BEFORE_END)
+    after = window(traffic_scene(hits=600, gen=240, finished=2))  # no inter-token latency: cannot tell demand
+    assert measure("itl_mean_s", after).value is None
+    assert judge(HIT_RATE, before, after).kind is VerdictKind.WORSE
 
 
 def test_the_error_guard_is_absolute() -> None:

@@ -31,6 +31,7 @@ class Change(BaseModel):
     noise: float | None = None  # the before-window's own spread: a change within it is no change
     min_effect: float = 0.0  # relative (absolute when `before` is 0)
     ok: bool | None = None  # objective: improved enough; guard: not worse beyond the noise; None: not measured
+    note: str = ""  # why a guard held although its measure moved beyond the tolerance (throughput: demand fell)
 
 
 class Verdict(BaseModel):

@@ -8,6 +8,9 @@ after-window once when the verdict is inconclusive, and decide FAILED (the engin
   (noise_k x the spread of the before-window's own sub-windows: a change within it is no change).
 - It made things worse when it moved the wrong way beyond both; a guard (throughput, TTFT, errors) broke
   when it got worse beyond its tolerance and the noise. Either rolls the fix back.
+- Tokens per second measure demand as much as speed: an engine that keeps up generates what is asked of it.
+  So a fall in throughput breaks its guard only when the engine did not keep up after the fix (requests
+  waited) or generated each token more slowly; otherwise the traffic fell, and the guard holds with a note.
 """
 
 from __future__ import annotations
@@ -24,15 +27,20 @@ from kvops.schema.verdict import Change, Verdict, VerdictKind
 from kvops.supervisor.measures import MEASURES, Measurement, measure, traffic
 
 Better = Literal["lower", "higher"]
+THROUGHPUT = "throughput_tokens_per_s"
 
 # What no fix may cost, whatever its objectives: (measure, better, tolerance). Tolerances are relative to
 # the value before, except for the measures in ABSOLUTE (a share: 1% -> 3% errors is +200%, and small).
 GUARDS: tuple[tuple[str, Better, float], ...] = (
-    ("throughput_tokens_per_s", "higher", 0.10),
+    (THROUGHPUT, "higher", 0.10),
     ("ttft_mean_s", "lower", 0.20),
     ("error_share", "lower", 0.05),
 )
 ABSOLUTE = frozenset({"error_share"})
+# A throughput fall is less demand when, after the fix, fewer than this many requests waited on average...
+KEPT_UP_WAITING = 1.0
+# ... and the time between a request's tokens did not grow by more than this (relative) and the noise.
+ITL_TOLERANCE = 0.20
 
 # How the message names the guards: (label, unit, as percent).
 LABELS: dict[str, tuple[str, str, bool]] = {
@@ -120,11 +128,33 @@ def judge(objectives: Sequence[Objective], before: Sequence[Snapshot], after: Se
             continue  # not reported by this source: nothing to hold
         allowed = max(_threshold(guard, guard.measure in ABSOLUTE), guard.noise or 0.0)
         guard.ok = -_gain(guard.better, guard.before, guard.after) <= allowed
+        if not guard.ok and guard.measure == THROUGHPUT:
+            guard.note = demand_fell(before, after, settings)
+            guard.ok = bool(guard.note)
         worse |= not guard.ok
     improved = all(c.ok for c in verdict.objectives)
     verdict.kind = VerdictKind.WORSE if worse else VerdictKind.IMPROVED if improved else VerdictKind.NO_EFFECT
     verdict.message = _message(verdict)
     return verdict
+
+
+def demand_fell(before: Sequence[Snapshot], after: Sequence[Snapshot], settings: JudgeSettings = DEFAULT_SETTINGS
+                ) -> str:
+    """Why the throughput fell with less traffic, not with a slower engine (the note on the held guard); ''
+    when the windows do not show it: requests waited after the fix, tokens came more slowly, or the source
+    reports neither (then the fall counts, as it always did)."""
+    waiting = measure("waiting_mean", after)
+    itl_before = measure("itl_mean_s", before, parts=settings.parts)
+    itl_after = measure("itl_mean_s", after, parts=settings.parts)
+    if waiting.value is None or itl_before.value is None or itl_after.value is None:
+        return ""
+    if waiting.value >= KEPT_UP_WAITING:
+        return ""
+    allowed = max(ITL_TOLERANCE * itl_before.value, noise_bound(itl_before, settings.noise_k))
+    if itl_after.value - itl_before.value > allowed:
+        return ""
+    return (f"demand fell: {waiting.value:.2g} requests waiting on average after the fix, "
+            f"{itl_before.value * 1000:.3g}→{itl_after.value * 1000:.3g} ms between tokens")
 
 
 # ------------------------------------------------------------------ the message
@@ -156,7 +186,8 @@ def _guard_text(guard: Change) -> str:
     if guard.before is None or guard.after is None:
         return f"{label} n/a"
     show = (lambda v: f"{v:.0%}") if percent else _num
-    return f"{label} {show(guard.before)}→{show(guard.after)}{unit}"
+    note = f" ({guard.note})" if guard.note else ""
+    return f"{label} {show(guard.before)}→{show(guard.after)}{unit}{note}"
 
 
 def _message(verdict: Verdict) -> str:

@@ -128,10 +128,35 @@ def _evictions_caused(snaps: Sequence[Snapshot], subject: str) -> float | None:
     return _ratio(delta(snaps, _tenant_sum("evictions_caused", mine)), duration(snaps))
 
 
-def _ttft_mean(snaps: Sequence[Snapshot], subject: str) -> float | None:
-    if not _knows(snaps, "requests.ttft_seconds_sum", "requests.ttft_count"):
+def _latency_mean(field: str) -> Value:
+    """Mean seconds of `field` ("ttft", "itl") over the window: from the engine's running sum and count
+    (`requests.<field>_seconds_sum`, `_count`), or from its latency histogram where the server reports that
+    instead (vLLM, SGLang)."""
+
+    def value(snaps: Sequence[Snapshot], subject: str) -> float | None:
+        sum_path, count_path = f"requests.{field}_seconds_sum", f"requests.{field}_count"
+        if _knows(snaps, sum_path, count_path):
+            mean = _ratio(delta(snaps, lambda s: getattr(s.requests, f"{field}_seconds_sum")),
+                          delta(snaps, lambda s: getattr(s.requests, f"{field}_count")))
+            if mean is not None:
+                return mean
+        if not _knows(snaps, field) or any(getattr(s, field) is None for s in (snaps[0], snaps[-1])):
+            return None
+
+        def histogram(attribute: str) -> Callable[[Snapshot], float]:
+            return lambda s: getattr(getattr(s, field), attribute) if getattr(s, field) is not None else 0.0
+
+        return _ratio(delta(snaps, histogram("sum")), delta(snaps, histogram("count")))
+
+    return value
+
+
+def _waiting_mean(snaps: Sequence[Snapshot], subject: str) -> float | None:
+    """Requests waiting to be scheduled, averaged over the window's snapshots: under one, the engine kept up
+    with what arrived (a request sampled in the moment between its arrival and the next step aside)."""
+    if not _knows(snaps, "requests.waiting") or not snaps:
         return None
-    return _ratio(delta(snaps, lambda s: s.requests.ttft_seconds_sum), delta(snaps, lambda s: s.requests.ttft_count))
+    return sum(s.requests.waiting for s in snaps) / len(snaps)
 
 
 def _error_share(snaps: Sequence[Snapshot], subject: str) -> float | None:
@@ -191,7 +216,9 @@ VALUES: dict[str, Value] = {
     "victims_hit_rate": _victims_hit_rate,
     "evictions_caused_per_s": _evictions_caused,
     "throughput_tokens_per_s": rate("requests.generation_tokens_total", lambda s: s.requests.generation_tokens_total),
-    "ttft_mean_s": _ttft_mean,
+    "ttft_mean_s": _latency_mean("ttft"),
+    "itl_mean_s": _latency_mean("itl"),
+    "waiting_mean": _waiting_mean,
     "error_share": _error_share,
     "decode_step_ms": _decode_step_ms,
     "slot_efficiency": _slot_efficiency,
