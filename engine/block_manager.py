@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvops.engine.block import Block, BlockState, SeqBlocks
+from kvops.engine.block import Block, BlockState, SeqBlocks, state_map
 from kvops.engine.eviction import ANY_OWNER, Evictor, make_policy
 from kvops.engine.free_queue import FreeBlockQueue
 from kvops.engine.hashing import BlockHash, block_hashes
@@ -91,7 +91,7 @@ class BlockManager:
         return self.seqs[seq_id].block_ids
 
     def state_map(self) -> str:
-        return "".join(block.state.code for block in self.blocks)
+        return state_map(self.blocks)
 
     def host_state_map(self) -> str:
         return self.host_pool.state_map()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
-from kvops.engine.block import Block, BlockState, SeqBlocks
+from kvops.engine.block import Block, BlockState, SeqBlocks, state_map
 from kvops.engine.free_queue import FreeBlockQueue
 from kvops.engine.hashing import BlockHash
 
@@ -37,7 +37,7 @@ class HostPool:
         return self.state_counts[BlockState.SWAPPED]
 
     def state_map(self) -> str:
-        return "".join(block.state.code for block in self.blocks)
+        return state_map(self.blocks)
 
     def store(self, seq: SeqBlocks, contents: Sequence[tuple[BlockHash | None, str | None]]) -> SeqBlocks:
         """Give the device sequence `seq` a host table: one SWAPPED block per entry of `contents`, the

@@ -84,7 +84,8 @@ def block_stats(engine: LLMEngine) -> BlockStats:
 
 def owner_map(bm: BlockManager) -> list[str | None]:
     """The tenant owning each device block (None for a free one), block id order."""
-    return [block.owner if block.state is not BlockState.FREE else None for block in bm.blocks]
+    free = BlockState.FREE  # a local: this runs once per block at every snapshot
+    return [block.owner if block.state is not free else None for block in bm.blocks]
 
 
 def blocks_held(bm: BlockManager) -> Counter[str]:

@@ -6,6 +6,7 @@ Defined once here and used by the engine (`/stats`), the supervisor, `kvops top`
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable
 
@@ -46,18 +47,16 @@ def encode_owner_map(owners: list[str | None]) -> tuple[str, list[str]]:
     """Per-block owning tenants (None: no owner) as (encode_block_map of one letter per block,
     the tenants in letter order)."""
     letters: dict[str, str] = {}
-    codes = []
-    for owner in owners:
+    runs = []
+    for owner, run in itertools.groupby(owners):  # a tenant's blocks come in runs: a lookup per run, not per block
         if owner is None:
-            codes.append(NO_OWNER_CODE)
-            continue
-        code = letters.get(owner)
-        if code is None:
+            code = NO_OWNER_CODE
+        elif (code := letters.get(owner)) is None:
             code = OWNER_CODES[len(letters)] if len(letters) < len(OWNER_CODES) else OTHER_OWNER_CODE
             if code != OTHER_OWNER_CODE:
                 letters[owner] = code
-        codes.append(code)
-    return encode_block_map("".join(codes)), list(letters)
+        runs.append(code * len(list(run)))
+    return encode_block_map("".join(runs)), list(letters)
 
 
 # /stats response headers (the kvops engine writes them, engine/server.py; the supervisor's client reads them)

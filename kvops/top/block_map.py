@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rich.text import Text
+from rich.text import Span, Text
 
 from kvops.schema.snapshot import BLOCK_STATE_CODES, NO_OWNER_CODE, OTHER_OWNER_CODE, OWNER_CODES
 
@@ -85,15 +85,22 @@ def state_style(code: str) -> tuple[str, str]:
 
 def render_rows(rows: list[str], style: Callable[[str], tuple[str, str]] = state_style) -> Text:
     """Rich text of the grid, each code drawn as `style(code)` = (glyph, colour): runs of equal cells
-    share one span, so 16k cells stay cheap."""
-    text = Text(no_wrap=True, overflow="crop")
+    share one span, so 16k cells stay cheap. Built as one string and its spans (`Text.append` would scan
+    every run for control codes the glyphs never have)."""
+    parts: list[str] = []
+    spans: list[Span] = []
+    offset = 0
     for i, row in enumerate(rows):
         if i:
-            text.append("\n")
+            parts.append("\n")
+            offset += 1
         for match in _RUNS.finditer(row):
             glyph, colour = style(match.group(1))
-            text.append(glyph * len(match.group(0)), style=colour)
-    return text
+            run = glyph * len(match.group(0))
+            parts.append(run)
+            spans.append(Span(offset, offset + len(run), colour))
+            offset += len(run)
+    return Text("".join(parts), no_wrap=True, overflow="crop", spans=spans)
 
 
 def legend(counts: dict[str, int] | None = None) -> Text:
@@ -122,7 +129,11 @@ def aggregate_owners(codes: str, per_cell: int) -> str:
         return codes
     cells = []
     for i in range(0, len(codes), per_cell):
-        group = codes[i:i + per_cell].replace(NO_OWNER_CODE, "")
+        group = codes[i:i + per_cell]
+        if group.count(group[0]) == len(group):  # one owner (or none) for the whole cell: most cells, counted in C
+            cells.append(group[0])
+            continue
+        group = group.replace(NO_OWNER_CODE, "")
         cells.append(max(dict.fromkeys(group), key=group.count) if group else NO_OWNER_CODE)
     return "".join(cells)
 
