@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -30,6 +31,7 @@ import httpx
 
 from kvops.bench.workloads import CHAT_QUESTIONS
 from kvops.logs import configure_logging
+from kvops.processes import free_port
 from kvops.supervisor.config import EngineSpec, parse_config
 from kvops.supervisor.history import EngineHistory
 from kvops.supervisor.managed_engine import ManagedEngine
@@ -88,6 +90,51 @@ def busy_process(rate: float, work_ms: float) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", BUSY_PROCESS, str(rate), str(work_ms)])
 
 
+def supervisor_polls(metrics_url: str) -> float | None:
+    """`kvops_supervisor_polls_total` from a supervisor's /metrics; None while it does not answer."""
+    try:
+        text = httpx.get(metrics_url, timeout=2).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("kvops_supervisor_polls_total "):
+            return float(line.split()[1])
+    return None
+
+
+def daemon_round(url: str, args: argparse.Namespace) -> tuple[float, float, float]:
+    """One round under `kvops run` in its own process, as it is deployed, watching the engine at `args.rate`:
+    started, and polling, before the round begins; stopped after it. Returns tok/s, polls per second, and the
+    seconds the daemon took to start."""
+    state_dir = tempfile.mkdtemp(prefix="kvops-polling-daemon-")
+    port = free_port()
+    started = time.perf_counter()
+    daemon = subprocess.Popen([sys.executable, "-m", "kvops", "run", "--no-managed", "--engine-url", url,
+                               "--poll-interval", str(1 / args.rate), "--listen", f"127.0.0.1:{port}",
+                               "--state-dir", state_dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    metrics_url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        while (before := supervisor_polls(metrics_url)) is None or before < 3:
+            if daemon.poll() is not None or time.perf_counter() - started > 120:
+                raise RuntimeError(f"kvops run did not start polling (exit code {daemon.returncode})")
+            time.sleep(0.2)
+        startup_s = time.perf_counter() - started
+        round_started = time.perf_counter()
+        tok_s = asyncio.run(one_round(url, args.requests, args.max_tokens))
+        elapsed = time.perf_counter() - round_started
+        after = supervisor_polls(metrics_url) or before
+        return tok_s, (after - before) / elapsed, startup_s
+    finally:
+        daemon.terminate()
+        try:
+            daemon.wait(30)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
 def supervise(supervisor: Supervisor, rate: float, stop: threading.Event, counter: list[int]) -> None:
     """The supervisor's poll loop (`Supervisor._run`), counted; counter[1]: the polls' seconds, in ms."""
     while not stop.is_set():
@@ -111,6 +158,8 @@ def polled_round(url: str, args: argparse.Namespace, supervisor: Supervisor | No
     """One round under a poller: tok/s, polls per second achieved, and for the HTTP poller the share of polls
     answered from the engine's snapshot cache, for the supervisor its mean poll time in ms."""
     stop, counter = threading.Event(), [0, 0]
+    if args.poller == "daemon":
+        return daemon_round(url, args)
     if args.poller == "busy":
         started = time.perf_counter()
         process = busy_process(args.rate, args.work_ms)
@@ -141,9 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--path", default="/stats",
                         help="what the poller reads (default /stats; /health: the cost of the HTTP round trip alone)")
     parser.add_argument("--threads", default=None, help="the engine's --threads (default: its own, auto)")
-    parser.add_argument("--poller", choices=["http", "supervisor", "busy"], default="http",
-                        help="a bare HTTP client reading --path, a real kvops supervisor watching the engine, or "
-                             "a process that reads nothing and spins --work-ms of CPU at --rate Hz")
+    parser.add_argument("--poller", choices=["http", "supervisor", "daemon", "busy"], default="http",
+                        help="a bare HTTP client reading --path (a thread of this process), a kvops supervisor "
+                             "watching the engine (a thread of this process), `kvops run` watching it (its own "
+                             "process, as deployed), or a process that reads nothing and spins --work-ms of CPU "
+                             "at --rate Hz")
     parser.add_argument("--work-ms", type=float, default=2.0,
                         help="with --poller busy: CPU milliseconds per wake-up (default 2, about a supervisor poll)")
     parser.add_argument("--json", metavar="PATH")
@@ -181,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     # each polled round beside the unpolled round it alternated with: the machine's slow spells cancel out
     paired = [b / a for a, b in zip(plain, polled, strict=True)]
     half_width = 1.96 * statistics.stdev(paired) / len(paired) ** 0.5 if len(paired) > 1 else float("nan")
-    extra_name = {"http": "answered_from_cache", "supervisor": "mean_poll_ms", "busy": "work_ms"}[args.poller]
+    extra_name = {"http": "answered_from_cache", "supervisor": "mean_poll_ms", "daemon": "daemon_startup_s",
+                  "busy": "work_ms"}[args.poller]
     report = {"command": "python benchmarks/polling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "rate_hz": args.rate, "path": args.path, "threads": args.threads, "poller": args.poller,
               "achieved_poll_hz": polls, extra_name: per_poll,
