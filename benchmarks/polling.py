@@ -157,11 +157,9 @@ def watching_supervisor(url: str, rate: float, state_dir: str) -> Supervisor:
 def polled_round(url: str, args: argparse.Namespace, supervisor: Supervisor | None) -> tuple[float, float, float]:
     """One round under a poller: tok/s, polls per second achieved, and for the HTTP poller the share of polls
     answered from the engine's snapshot cache, for the supervisor its mean poll time in ms."""
-    stop, counter = threading.Event(), [0, 0]
     if args.poller == "daemon":
         return daemon_round(url, args)
     if args.poller == "busy":
-        started = time.perf_counter()
         process = busy_process(args.rate, args.work_ms)
         try:
             tok_s = asyncio.run(one_round(url, args.requests, args.max_tokens))
@@ -169,6 +167,7 @@ def polled_round(url: str, args: argparse.Namespace, supervisor: Supervisor | No
             process.kill()
             process.wait()
         return tok_s, args.rate, args.work_ms
+    stop, counter = threading.Event(), [0, 0]
     if supervisor is not None:
         poller = threading.Thread(target=supervise, args=(supervisor, args.rate, stop, counter), daemon=True)
     else:

@@ -154,7 +154,7 @@ def _latency_mean(field: str) -> Value:
 def _waiting_mean(snaps: Sequence[Snapshot], subject: str) -> float | None:
     """Requests waiting to be scheduled, averaged over the window's snapshots: under one, the engine kept up
     with what arrived (a request sampled in the moment between its arrival and the next step aside)."""
-    if not _knows(snaps, "requests.waiting") or not snaps:
+    if not _knows(snaps, "requests.waiting"):  # False for an empty window too
         return None
     return sum(s.requests.waiting for s in snaps) / len(snaps)
 
