@@ -40,9 +40,11 @@ def _rope_inv_freq(config: Any) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(scaling)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """RoPE on heads [tokens, heads, head_dim]: `x * cos + rotate_half(x) * sin` with the halves of
+    rotate_half's concatenation taken by one roll, the sign it applies kept in `sin_signed` (sin with its
+    first half negated). The same bits as transformers' form (a negation is exact), three ops fewer."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
 class Layer:
@@ -112,12 +114,14 @@ class LlamaModel:
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * scaling).to(self.device, dtype)
-        self.sin = (emb.sin() * scaling).to(self.device, dtype)
+        sin = emb.sin() * scaling  # its first half negated, as `apply_rope` takes it
+        sin[:, : sin.shape[1] // 2].neg_()
+        self.sin_signed = sin.to(self.device, dtype)
 
     @property
     def nbytes(self) -> int:
         """Bytes of every tensor the model keeps (weights and RoPE tables), a tied head counted once."""
-        tensors = {id(t): t for t in (self.embed, self.norm, self.lm_head, self.cos, self.sin)}
+        tensors = {id(t): t for t in (self.embed, self.norm, self.lm_head, self.cos, self.sin_signed)}
         for layer in self.layers:
             for name in Layer.__slots__:
                 t = getattr(layer, name)
@@ -126,6 +130,10 @@ class LlamaModel:
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # One op, the same bits as the steps below in fp32 (tests/test_model.py); in half precision
+            # transformers rounds before multiplying by the weight, which F.rms_norm does not.
+            return F.rms_norm(x, weight.shape, weight, self.eps)
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * h.to(x.dtype)
@@ -150,7 +158,7 @@ class LlamaModel:
         meta = meta.to(device)
         tokens = input_ids.shape[0]
         cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        sin = self.sin_signed[positions].unsqueeze(1)
         num_decode = meta.num_decode_tokens
         linear = self.linear
         x = F.embedding(input_ids, self.embed)
@@ -159,7 +167,7 @@ class LlamaModel:
             qkv = linear(h, layer.qkv, layer.qkv_bias).contiguous()  # heads are viewed out of it below
             # RoPE on q and k heads in one go: they are adjacent in the fused projection.
             qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = qk * cos + _rotate_half(qk) * sin
+            qk = apply_rope(qk, cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
             layer_cache = kv_cache[i]
