@@ -152,16 +152,18 @@ def test_engine_killed_alerts_survive_receiver_outage_and_daemon_kill(tmp_path: 
         pid = daemon.wait_engine_up()
         receiver_down_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        new_pid = daemon.wait_engine_up(not_pid=pid, timeout_s=30)
-        assert time.monotonic() - killed_at < 10, "the engine was not back within 10 s"
+        killed_at = time.time()
+        new_pid = daemon.wait_engine_up(not_pid=pid, timeout_s=60)
         engine = daemon.engine()
         assert engine["restarts"] == 1 and engine["last_exit"]["signal"] == signal.SIGKILL
         # what kvops top's log panel shows: the supervisor's notes among the engine's own lines
-        notes = [line["text"] for line in daemon.get("/api/engines/default/logs?lines=500")
-                 if line["stream"] == "kvops"]
-        assert any(n.startswith("exited (signal SIGKILL); restarting in") for n in notes)
+        lines = [line for line in daemon.get("/api/engines/default/logs?lines=500") if line["stream"] == "kvops"]
+        notes = [line["text"] for line in lines]
+        assert any(n.startswith("exited (signal SIGKILL); restarting in 1 s") for n in notes)
         assert notes[-1].startswith(f"started pid {new_pid}")
+        # Restarted after the backoff and the poll that sees the exit, not later. (How long the new engine then
+        # takes to load is the machine's: in one run of the whole suite on a 2-core VM it took over 10 s.)
+        assert lines[-1]["time"] - killed_at < 4, "the engine was not restarted within 4 s of its death (backoff 1 s)"
         # Prometheus finds the engine through the supervisor, whatever port it got
         assert daemon.get("/api/prometheus/targets") == [{"targets": [engine["url"].removeprefix("http://")],
                                                           "labels": {"engine": "default", "kind": "kvops",
