@@ -55,11 +55,45 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self.accepting = True
         self.snapshots = SnapshotCache(engine.snapshot)
+        self._go: threading.Event | None = None  # set when the loop's thread already runs (`built_on_loop_thread`)
+
+    @classmethod
+    def built_on_loop_thread(cls, build: Callable[[], LLMEngine]) -> AsyncEngine:
+        """Build the engine on the thread that will then run its steps; the runner is returned once the engine
+        is built (not started), and the build's exception is raised here.
+
+        Why one thread: OpenMP gives each thread that enters a parallel region a pool of its own. An engine
+        built on the main thread (loading weights and timing matmuls there) and stepped on another leaves the
+        main thread's idle pool beside the step loop's: more OpenMP threads than CPUs, so libgomp stops
+        spinning between regions and every parallel op of a step waits for its workers to be woken. One
+        stream's decode step measured 12% slower that way (docs/benchmarks.md, "One thread for the engine")."""
+        built: concurrent.futures.Future[LLMEngine] = concurrent.futures.Future()
+        go = threading.Event()
+        runner: list[AsyncEngine] = []
+
+        def main() -> None:
+            try:
+                built.set_result(build())
+            except BaseException as exc:  # handed to the caller, who reports it
+                built.set_exception(exc)
+                return
+            go.wait()
+            runner[0]._run()
+
+        thread = threading.Thread(target=main, name="kvops-step-loop", daemon=True)
+        thread.start()
+        self = cls(built.result())
+        self._thread, self._go = thread, go
+        runner.append(self)
+        return self
 
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        self._thread.start()
+        if self._go is not None:
+            self._go.set()
+        else:
+            self._thread.start()
 
     @property
     def alive(self) -> bool:
@@ -68,7 +102,10 @@ class AsyncEngine:
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._wakeup.set()
-        self._thread.join(timeout)
+        if self._go is not None:
+            self._go.set()  # a loop never started runs, sees the stop, and ends
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     async def drain(self, timeout: float) -> bool:
         """Stop accepting requests and wait for the running ones to finish; True when drained."""

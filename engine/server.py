@@ -123,15 +123,19 @@ def _route_path(action: AdminAction) -> str:
     return re.sub(r"\{(\w+)\}", r"{\1:path}", action.path)
 
 
-def build_app(engine: LLMEngine, admin_token: str | None = None, drain_timeout_s: float = 30.0,
+def build_app(engine: LLMEngine | AsyncEngine, admin_token: str | None = None, drain_timeout_s: float = 30.0,
               tenants: TenantResolver | None = None) -> FastAPI:
-    """The ASGI app around one engine. Its step loop starts and stops with the app's lifespan. `tenants` is
-    read from the engine's config (its API keys) unless given; ConfigError for a bad key file."""
+    """The ASGI app around one engine, or around a runner whose thread built it
+    (`AsyncEngine.built_on_loop_thread`, as `kvops engine serve` does). Its step loop starts and stops with the
+    app's lifespan. `tenants` is read from the engine's config (its API keys) unless given; ConfigError for a
+    bad key file."""
     from contextlib import asynccontextmanager
 
+    runner = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
+    engine = runner.engine
     tenants = tenants or TenantResolver.from_config(engine.config)
     metrics = EngineMetrics(lambda: engine.snapshot(), engine.config.max_tenant_labels)
-    runner = AsyncEngine(engine, metrics)
+    runner.metrics = metrics
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

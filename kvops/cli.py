@@ -44,14 +44,15 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from kvops.engine.api_keys import TenantResolver
     from kvops.engine.args import engine_config_from_args
+    from kvops.engine.async_engine import AsyncEngine
     from kvops.engine.engine import LLMEngine
     from kvops.engine.server import build_app
     from kvops.serving import serve
 
     config = engine_config_from_args(args)
     tenants = TenantResolver.from_config(config)  # a bad key file is refused before the model loads
-    engine = LLMEngine(config)
-    app = build_app(engine, admin_token=args.admin_token, drain_timeout_s=args.drain_timeout, tenants=tenants)
+    runner = AsyncEngine.built_on_loop_thread(lambda: LLMEngine(config))  # one thread for all the engine's torch work
+    app = build_app(runner, admin_token=args.admin_token, drain_timeout_s=args.drain_timeout, tenants=tenants)
     return serve(app, args.host, args.port, args.drain_timeout)
 
 
