@@ -69,7 +69,7 @@ class AsyncEngine:
         stream's decode step measured 12% slower that way (docs/benchmarks.md, "One thread for the engine")."""
         built: concurrent.futures.Future[LLMEngine] = concurrent.futures.Future()
         go = threading.Event()
-        runner: list[AsyncEngine] = []
+        holder: list[AsyncEngine] = []  # the runner, once made: the thread steps it after `start`
 
         def main() -> None:
             try:
@@ -78,14 +78,14 @@ class AsyncEngine:
                 built.set_exception(exc)
                 return
             go.wait()
-            runner[0]._run()
+            holder[0]._run()
 
         thread = threading.Thread(target=main, name="kvops-step-loop", daemon=True)
         thread.start()
-        self = cls(built.result())
-        self._thread, self._go = thread, go
-        runner.append(self)
-        return self
+        runner = cls(built.result())
+        runner._thread, runner._go = thread, go
+        holder.append(runner)
+        return runner
 
     # ------------------------------------------------------------ lifecycle
 
