@@ -125,10 +125,8 @@ def _route_path(action: AdminAction) -> str:
 
 def build_app(engine: LLMEngine | AsyncEngine, admin_token: str | None = None, drain_timeout_s: float = 30.0,
               tenants: TenantResolver | None = None) -> FastAPI:
-    """The ASGI app around one engine, or around a runner whose thread built it
-    (`AsyncEngine.built_on_loop_thread`, as `kvops engine serve` does). Its step loop starts and stops with the
-    app's lifespan. `tenants` is read from the engine's config (its API keys) unless given; ConfigError for a
-    bad key file."""
+    """The ASGI app around an engine, or a runner that built it (`AsyncEngine.built_on_loop_thread`); its step loop
+    runs with the app's lifespan. `tenants`: the engine config's API keys unless given (ConfigError if bad)."""
     from contextlib import asynccontextmanager
 
     runner = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
