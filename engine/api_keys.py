@@ -15,7 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvops.engine.errors import ConfigError, EngineError, InvalidRequestError
+from kvops.engine.errors import InvalidRequestError
+from kvops.schema.errors import ConfigError, EngineError
 
 if TYPE_CHECKING:
     from kvops.engine.config import EngineConfig

@@ -7,7 +7,8 @@ and the command lines it starts engines with come from them too: to add an engin
 field with `setting(...)` here.
 
 Torch-free on purpose: `kvops run`, `kvops top` and `kvops doctor` build the CLI parser from this
-module and must start without importing torch, so the kernels import the KV dtype names from here.
+module and must start without importing torch. The KV dtype names are in `kvops.schema.kv_dtypes`,
+where the kernels see them too.
 """
 
 from __future__ import annotations
@@ -17,15 +18,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvops.engine.errors import ConfigError
 from kvops.engine.normalize import NormalizationMode
+from kvops.schema.errors import ConfigError
+from kvops.schema.kv_dtypes import INT4_GROUP_SIZES, KV_CACHE_DTYPES
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "int4")  # kvops.kernels.kv_cache lays out each
-INT4_GROUP_SIZES = (32, 64)  # int4 KV: channels per scale and zero point
 PREEMPTION_MODES = ("swap", "recompute")
 EVICTION_POLICIES = ("lru", "lfu")
 NORMALIZATION_MODES = tuple(mode.value for mode in NormalizationMode)

@@ -13,7 +13,8 @@ import structlog
 import torch
 
 from kvops.engine.config import EngineConfig, format_bytes, parse_bytes
-from kvops.engine.errors import CapacityError, ConfigError
+from kvops.engine.errors import CapacityError
+from kvops.schema.errors import ConfigError
 
 log = structlog.get_logger("kvops.engine.device")
 

@@ -17,7 +17,7 @@ from kvops.engine.block_manager import DEFAULT_TENANT, BlockManager
 from kvops.engine.capacity import Capacity
 from kvops.engine.config import EngineConfig
 from kvops.engine.device import activation_headroom, default_dtype, plan_gpu_kv_budget, resolve_device
-from kvops.engine.errors import ConfigError, InvalidRequestError
+from kvops.engine.errors import InvalidRequestError
 from kvops.engine.kv_pool import allocate_kv_pool
 from kvops.engine.model import LlamaModel
 from kvops.engine.normalize import NormalizationMode, normalize_messages, normalize_prompt
@@ -30,6 +30,7 @@ from kvops.engine.stats import EngineStats
 from kvops.engine.threads import ThreadGovernor
 from kvops.engine.weights import load_model
 from kvops.kernels import AttentionMetadata, PrefillSpan
+from kvops.schema.errors import ConfigError
 from kvops.schema.snapshot import Snapshot, StepSample
 
 log = structlog.get_logger("kvops.engine")

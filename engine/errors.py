@@ -1,14 +1,9 @@
-"""Errors the engine reports to people: each says what was wrong and what to do."""
+"""Errors the engine reports to people: each says what was wrong and what to do. The base class and
+`ConfigError` live in `kvops.schema.errors`, where kvops's config-file readers see them too."""
 
 from __future__ import annotations
 
-
-class EngineError(Exception):
-    """Base class: the message is meant for the person running the engine."""
-
-
-class ConfigError(EngineError, ValueError):
-    """A setting is invalid (bad value, model path missing, architecture unsupported)."""
+from kvops.schema.errors import EngineError
 
 
 class CapacityError(EngineError):

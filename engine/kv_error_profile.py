@@ -24,10 +24,11 @@ from kvops import kernels
 from kvops.engine.errors import InvalidRequestError
 from kvops.engine.kv_pool import layer_kv_dtypes
 from kvops.engine.kv_quality import private_kv_pool, share_fp8_scales
-from kvops.kernels import AttentionMetadata, PrefillSpan
+from kvops.kernels import AttentionMetadata, KVCacheLayer, PrefillSpan
 from kvops.schema.reports import KVQuantProfile, LayerKVError
 
 if TYPE_CHECKING:
+    from kvops.engine.config import EngineConfig
     from kvops.engine.engine import LLMEngine
 
 PROFILE_PROMPTS = (
@@ -50,17 +51,8 @@ def profile_kv_error(
 ) -> KVQuantProfile:
     """Profile the engine's KV dtype, or another one (to ask "would int4 be safe here?")."""
     started = time.perf_counter()
-    config = dataclasses.replace(
-        engine.config,
-        kv_cache_dtype=kv_cache_dtype or engine.config.kv_cache_dtype,
-        kv_cache_group_size=group_size or engine.config.kv_cache_group_size,
-        kv_cache_dtype_skip_layers=engine.config.kv_cache_dtype_skip_layers if skip_layers is None else skip_layers,
-    )
-    steps = sorted(set(steps))
-    if not steps or steps[0] < 1:
-        raise InvalidRequestError(f"steps must be positive decode step numbers (got {list(steps)})", "steps")
-    if not 0 < threshold <= 1:
-        raise InvalidRequestError(f"threshold must be in (0, 1] (got {threshold})", "threshold")
+    config = _config_under_test(engine, kv_cache_dtype, group_size, skip_layers)
+    steps = _checked_steps(steps, threshold)
     model = engine.model
     kinds = layer_kv_dtypes(config, model.num_layers, model.head_dim)
     prompts = [engine.encode_chat([{"role": "user", "content": text}]) for text in PROFILE_PROMPTS]
@@ -114,25 +106,9 @@ def profile_kv_error(
         if step in steps:
             context = torch.cat([slots_of(seq, torch.arange(int(lengths[seq]))) for seq in range(len(prompts))])
             compared = int(context.numel())
-            for layer in range(model.num_layers):
-                got = kernels.gather_kv(quantized[layer], context).float()
-                want = kernels.gather_kv(reference[layer], context).float()
-                cos = F.cosine_similarity(got, want, dim=-1)
-                cosines[layer]["k"][step] = round(float(cos[0].mean()), 6)
-                cosines[layer]["v"][step] = round(float(cos[1].mean()), 6)
-                # Overwritten at every compared step: the last one (the longest context) is reported.
-                rel = (got - want).flatten(1).norm(dim=1) / want.flatten(1).norm(dim=1).clamp_min(1e-12)
-                rel_errors[layer] = [round(float(x), 6) for x in rel]
+            _compare(quantized, reference, context, step, cosines, rel_errors)
 
-    layers = []
-    for layer, kind in enumerate(kinds):
-        worst = min(min(cosines[layer]["k"].values()), min(cosines[layer]["v"].values()))
-        scales = quantized[layer].scale.tolist() if kind == "fp8" else [None, None]  # type: ignore[union-attr]
-        layers.append(LayerKVError(layer=layer, kv_dtype=engine.dtype_name if kind == "auto" else kind,
-                                   k_cosine=cosines[layer]["k"], v_cosine=cosines[layer]["v"],
-                                   min_cosine=worst, below_threshold=worst < threshold,
-                                   k_rel_error=rel_errors[layer][0], v_rel_error=rel_errors[layer][1],
-                                   k_scale=scales[0], v_scale=scales[1]))
+    layers = _layer_errors(engine, kinds, quantized, cosines, rel_errors, threshold)
     return KVQuantProfile(
         kv_cache_dtype=engine.dtype_name if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
         group_size=config.kv_cache_group_size if config.kv_cache_dtype == "int4" else None,
@@ -142,3 +118,52 @@ def profile_kv_error(
         fp8_scales=scale_source if "fp8" in kinds else None,
     )
 
+
+def _config_under_test(engine: LLMEngine, kv_cache_dtype: str | None, group_size: int | None,
+                       skip_layers: Sequence[int] | None) -> EngineConfig:
+    """The engine's config with the KV settings asked for (the engine's own where none is)."""
+    return dataclasses.replace(
+        engine.config,
+        kv_cache_dtype=kv_cache_dtype or engine.config.kv_cache_dtype,
+        kv_cache_group_size=group_size or engine.config.kv_cache_group_size,
+        kv_cache_dtype_skip_layers=engine.config.kv_cache_dtype_skip_layers if skip_layers is None else skip_layers,
+    )
+
+
+def _checked_steps(steps: Sequence[int], threshold: float) -> list[int]:
+    """The decode steps to compare at, sorted; a 400 naming the field when they or the threshold make no sense."""
+    ordered = sorted(set(steps))
+    if not ordered or ordered[0] < 1:
+        raise InvalidRequestError(f"steps must be positive decode step numbers (got {list(ordered)})", "steps")
+    if not 0 < threshold <= 1:
+        raise InvalidRequestError(f"threshold must be in (0, 1] (got {threshold})", "threshold")
+    return ordered
+
+
+def _compare(quantized: Sequence[KVCacheLayer], reference: Sequence[KVCacheLayer], context: torch.Tensor, step: int,
+             cosines: dict[int, dict[str, dict[int, float]]], rel_errors: dict[int, list[float]]) -> None:
+    """At one decode step: each layer's dequantized K and V against the full-precision copies, over the context."""
+    for layer in range(len(quantized)):
+        got = kernels.gather_kv(quantized[layer], context).float()
+        want = kernels.gather_kv(reference[layer], context).float()
+        cos = F.cosine_similarity(got, want, dim=-1)
+        cosines[layer]["k"][step] = round(float(cos[0].mean()), 6)
+        cosines[layer]["v"][step] = round(float(cos[1].mean()), 6)
+        # Overwritten at every compared step: the last one (the longest context) is reported.
+        rel = (got - want).flatten(1).norm(dim=1) / want.flatten(1).norm(dim=1).clamp_min(1e-12)
+        rel_errors[layer] = [round(float(x), 6) for x in rel]
+
+
+def _layer_errors(engine: LLMEngine, kinds: Sequence[str], quantized: Sequence[KVCacheLayer],
+                  cosines: dict[int, dict[str, dict[int, float]]], rel_errors: dict[int, list[float]],
+                  threshold: float) -> list[LayerKVError]:
+    layers = []
+    for layer, kind in enumerate(kinds):
+        worst = min(min(cosines[layer]["k"].values()), min(cosines[layer]["v"].values()))
+        scales = quantized[layer].scale.tolist() if kind == "fp8" else [None, None]  # type: ignore[union-attr]
+        layers.append(LayerKVError(layer=layer, kv_dtype=engine.dtype_name if kind == "auto" else kind,
+                                   k_cosine=cosines[layer]["k"], v_cosine=cosines[layer]["v"],
+                                   min_cosine=worst, below_threshold=worst < threshold,
+                                   k_rel_error=rel_errors[layer][0], v_rel_error=rel_errors[layer][1],
+                                   k_scale=scales[0], v_scale=scales[1]))
+    return layers

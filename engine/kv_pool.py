@@ -14,8 +14,8 @@ import torch
 from kvops import kernels
 from kvops.engine.capacity import Capacity, plan_capacity
 from kvops.engine.config import EngineConfig, format_bytes
-from kvops.engine.errors import ConfigError
 from kvops.kernels import KVCacheLayer
+from kvops.schema.errors import ConfigError
 
 
 def layer_kv_dtypes(config: EngineConfig, num_layers: int, head_dim: int) -> list[str]:

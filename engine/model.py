@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from kvops import kernels
-from kvops.engine.errors import ConfigError
 from kvops.engine.linear import select_linear
 from kvops.kernels import AttentionMetadata, KVCacheLayer
+from kvops.schema.errors import ConfigError
 
 # Sees each layer's new K and V (after RoPE) before they are written to the cache.
 KVObserver = Callable[[int, torch.Tensor, torch.Tensor], None]

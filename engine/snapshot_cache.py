@@ -46,7 +46,7 @@ class CachedSnapshot:
         return self.snapshot.model_dump_json().encode()
 
     def steps_after(self, t: float) -> bytes:
-        """Its JSON with only the steps newer than `t`: a poller holding the rest (kvops.supervisor.engine_client)
+        """Its JSON with only the steps newer than `t`: a poller holding the rest (kvops.adapters.engine_client)
         reads a tenth of the bytes, most of a snapshot being its 512 steps."""
         steps = self.snapshot.steps
         newer = steps[bisect.bisect_right(steps, t, key=lambda step: step.t):]

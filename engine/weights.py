@@ -20,7 +20,7 @@ from typing import Any
 import structlog
 import torch
 
-from kvops.engine.errors import ConfigError
+from kvops.schema.errors import ConfigError
 
 log = structlog.get_logger("kvops.engine.weights")
 

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-# Defined with the engine settings, which must import without torch; re-exported as kvops.kernels.KV_CACHE_DTYPES.
-from kvops.engine.config import KV_CACHE_DTYPES
 from kvops.kernels.quantization import fp8_scales
+
+# Names only, shared with the engine's torch-free settings; re-exported as kvops.kernels.KV_CACHE_DTYPES.
+from kvops.schema.kv_dtypes import KV_CACHE_DTYPES
 
 
 @dataclass

@@ -7,7 +7,7 @@ Formats (docs/kv-memory.md, "Quantized KV"):
   values beyond ±448 × scale saturate. A fixed scale of 1.0 (vLLM's default without checkpoint scales)
   saturates a layer whose keys pass ±448, which is how such a layer used to lose accuracy.
 - int4: asymmetric, one scale and one zero point per group of 32 or 64 channels
-  (`kvops.engine.config.INT4_GROUP_SIZES`), two values per byte.
+  (`kvops.schema.kv_dtypes.INT4_GROUP_SIZES`), two values per byte.
   Scale and zero are bfloat16: their rounding (2^-9 relative) is small beside int4's step (1/15 of the
   group's range), and float32 would cost a quarter of the memory int4 saves.
 """

@@ -197,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
 
-    from kvops.engine.errors import EngineError
     from kvops.logs import configure_logging
+    from kvops.schema.errors import EngineError
 
     configure_logging(args.log_level)
     try:

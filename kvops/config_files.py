@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvops.engine.errors import ConfigError
+from kvops.schema.errors import ConfigError
 
 
 def first_error(exc: ValidationError) -> str:

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
+import httpx
 import pytest
 import torch
 from alerting_outbox import Receiver
@@ -68,6 +74,115 @@ def hf_greedy(llm: LLM, chat_prompts: list[list[int]]) -> list[list[int]]:
             outputs.append(generated)
     del model
     return outputs
+
+
+# Session-wide servers stop right after the last selected test that uses them, not at the end of the session: they
+# would sit idle through the files after it, and test_scenarios stops any child process it finds before each
+# scenario, so that nothing competes with a scenario's timing.
+_LAST_USER: dict[str, str] = {}  # fixture name -> node id of the last selected test that uses it
+_STOPS: dict[str, Callable[[], None]] = {}  # fixture name -> how to stop its server, while it runs
+SHARED_SERVERS = ("shared_engine", "shared_vllm")
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected what will not run
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for name in SHARED_SERVERS:
+            if name in getattr(item, "fixturenames", ()):
+                _LAST_USER[name] = item.nodeid
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    yield
+    for name, nodeid in _LAST_USER.items():
+        if nodeid == item.nodeid and name in _STOPS:
+            _STOPS.pop(name)()
+
+
+@pytest.fixture(scope="session")
+def shared_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One `kvops engine serve` (64 MiB of KV, max_model_len 1024, no tokens) for the tests that only send it
+    requests and read their own answers (test_bench's compare, test_loadgen), instead of one per file: an engine
+    start is ~5-8 s of both CPUs here. Yields its base URL."""
+    from kvops.processes import free_port
+
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("shared-engine") / "engine.log"
+    with log_path.open("wb") as log:  # a file, not a pipe nobody reads: a long session's log would fill a pipe
+        proc = subprocess.Popen([sys.executable, "-m", "kvops", "engine", "serve", "--port", str(port),
+                                 "--kv-cache-memory", "64MiB", "--max-model-len", "1024"],
+                                stdout=log, stderr=subprocess.STDOUT)
+
+    def stop() -> None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    _STOPS["shared_engine"] = stop
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"engine exited {proc.returncode}: {log_path.read_text(errors='replace')[-3000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "engine did not become healthy in 180 s"
+            time.sleep(0.3)
+        yield url
+    finally:
+        if _STOPS.pop("shared_engine", None):
+            stop()
+
+
+@pytest.fixture(scope="session")
+def shared_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The one real vLLM of a test session (a vLLM start costs about a minute here): managed by a supervisor in
+    this process with its API on a real port (test_vllm_managed kills and restarts it), and watched as a server kvops
+    did not start by test_vllm_live, which runs first (files run in name order) and needs its first block size, 128.
+    The vLLM tests skip themselves (marker `real`) before asking for it when `kvops vllm setup` has not run."""
+    from test_vllm_managed import VLLM_PYTHON, Served
+    from waiting import wait_for
+
+    from kvops.processes import free_port
+    from kvops.supervisor.config import parse_config
+
+    state = tmp_path_factory.mktemp("state")
+    config = parse_config({
+        "supervisor": {"listen": f"127.0.0.1:{free_port()}", "state_dir": str(state), "poll_interval_s": 0.5,
+                       "verify_after_s": 20, "alert_warmup_s": 0},
+        "engines": [{"name": "vllm", "kind": "vllm", "python": str(VLLM_PYTHON),
+                     "args": {"block_size": 128, "kv_cache_memory": "256MiB", "max_model_len": 1024},
+                     "restart": {"initial_backoff_s": 0.5}}],
+    }, "test")
+    served = Served(config, "secret")
+
+    def stop() -> None:
+        served.sup.stop()
+        served.server.should_exit = True
+        served.thread.join(timeout=10)
+
+    served.thread.start()
+    started = time.monotonic()
+    served.sup.start()
+    _STOPS["shared_vllm"] = stop
+    try:
+        try:
+            wait_for("vLLM up", lambda: served.engine()["up"], 420, every_s=1)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {served.engine()}") from None
+        print(f"\nvLLM managed by kvops: up in {time.monotonic() - started:.0f} s")
+        yield served
+    finally:
+        if _STOPS.pop("shared_vllm", None):
+            stop()
 
 
 @pytest.fixture

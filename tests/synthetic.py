@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvops.history import EngineHistory, HealthSample
 from kvops.schema.engines import EngineExit
 from kvops.schema.snapshot import BLOCK_STATE_CODES, Snapshot, encode_block_map
-from kvops.supervisor.history import EngineHistory, HealthSample
 
 T0 = 1_750_000_000.0  # "now" in every scenario
 STARTED_AT = T0 - 3600.0  # the engine has been up an hour unless a scenario says otherwise

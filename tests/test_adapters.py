@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from kvops.adapters import Scrape, WatchedEngineClient, detect_flavour, snapshot_from_scrape
+from kvops.adapters import Scrape
+from kvops.adapters.engine_client import EngineUnreachable
 from kvops.doctor.cache import evaluate
-from kvops.engine.errors import ConfigError
+from kvops.kinds import detect, snapshot_from_scrape
+from kvops.kinds.client import WatchedEngineClient
+from kvops.schema.errors import ConfigError
 from kvops.supervisor.config import parse_config
-from kvops.supervisor.engine_client import EngineUnreachable
 
 FIXTURES = Path(__file__).parent / "fixtures"
 T = 1_750_000_000.0  # the hand-written scenario's process started an hour before this
@@ -38,16 +40,18 @@ def truncated() -> str:
     return text[:cut + 20]
 
 
-@pytest.mark.parametrize(("name", "flavour"), [(FLOOD, "vllm"), (V0, "vllm"), (LOADED, "vllm"), (SGLANG, "sglang"),
-                                               ("metrics/kvops.txt", "kvops")])
-def test_flavour_is_recognised_from_metric_names(name, flavour):
-    assert detect_flavour(scrape(name)) == flavour
+@pytest.mark.parametrize(("name", "kind"), [(FLOOD, "vllm"), (V0, "vllm"), (LOADED, "vllm"), (SGLANG, "sglang"),
+                                            ("metrics/kvops.txt", "kvops")])
+def test_kind_is_recognised_from_metric_names(name, kind):
+    found = detect(scrape(name))
+    assert found is not None and found.kind == kind
 
 
-def test_flavour_from_v1_models_when_metrics_say_nothing():
-    assert detect_flavour(Scrape(), {"data": [{"id": "m", "owned_by": "vllm"}]}) == "vllm"
-    assert detect_flavour(Scrape(), {"data": [{"id": "m", "owned_by": "sglang"}]}) == "sglang"
-    assert detect_flavour(Scrape(), None) is None
+def test_kind_from_v1_models_when_metrics_say_nothing():
+    for kind in ("vllm", "sglang"):
+        found = detect(Scrape(), {"data": [{"id": "m", "owned_by": kind}]})
+        assert found is not None and found.kind == kind
+    assert detect(Scrape(), None) is None
 
 
 def test_vllm_v1_fills_usage_prefix_counters_preemptions_and_prompt_histogram():
@@ -108,7 +112,9 @@ def test_truncated_scrape_keeps_what_parses_and_marks_the_rest():
 @pytest.mark.parametrize("name", [FLOOD, V0, SGLANG, LOADED, "truncated"])
 def test_rules_never_fire_on_what_a_server_does_not_report(name):
     parsed = Scrape.parse(truncated()) if name == "truncated" else scrape(name)
-    snap = snapshot_from_scrape(detect_flavour(parsed), parsed, T)
+    found = detect(parsed)
+    assert found is not None
+    snap = snapshot_from_scrape(found.kind, parsed, T)
     fired = {d.rule for d in evaluate([snap])[0]}
     # Nothing about swap, tenants, quantization, block sizes, the host or the engine's own config.
     assert not fired & {"swap_storm", "tenant_pollution", "kv_quant_error", "block_size_mismatch", "host_bound",
@@ -128,7 +134,7 @@ def test_engine_kind_in_the_config():
     with pytest.raises(ConfigError, match="a sglang server is watched"):
         parse_config({"engines": [{"name": "m", "kind": "sglang"}]}, "t")
     with pytest.raises(ConfigError, match="kind"):
-        parse_config({"engines": [{"name": "x", "url": "http://h:1", "kind": "tgi"}]}, "t")
+        parse_config({"engines": [{"name": "x", "url": "http://h:1", "kind": "no-such-server"}]}, "t")
 
 
 class FakeVLLM(BaseHTTPRequestHandler):
@@ -162,7 +168,7 @@ def fake_vllm() -> Iterator[str]:
 def test_watched_client_detects_vllm_and_refuses_admin_fixes(fake_vllm):
     client = WatchedEngineClient(fake_vllm, "auto")
     snap = client.snapshot()
-    assert client.flavour == "vllm" and snap.source == "vllm" and snap.engine.max_model_len == 32768
+    assert client.kind == "vllm" and snap.source == "vllm" and snap.engine.max_model_len == 32768
     assert client.health() == {"status": "ok"}
     with pytest.raises(EngineUnreachable, match="vllm server does not have"):
         client.admin("set_normalization", {"mode": "on"})

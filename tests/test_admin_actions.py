@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvops.adapters.engine_client import EngineClient
 from kvops.rules import RULES
 from kvops.schema.admin import (
     ADMIN_ACTIONS,
@@ -24,7 +25,6 @@ from kvops.schema.admin import (
     AdminChange,
 )
 from kvops.schema.diagnosis import FixKind
-from kvops.supervisor.engine_client import EngineClient
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 KNOBS = {"enable_prefix_caching": True, "eviction_policy": "lru", "normalize_prompts": "off",
@@ -73,7 +73,7 @@ def test_the_client_quotes_each_path_field_whole_and_bodies_leave_them_out() -> 
 
 
 def test_every_action_is_bound_to_an_engine_handler_taking_its_path_fields() -> None:
-    from kvops.engine.server import ADMIN_HANDLERS
+    from kvops.engine.routes_admin import ADMIN_HANDLERS
 
     assert set(ADMIN_HANDLERS) == set(ADMIN_ACTIONS)
     for name, action in ADMIN_ACTIONS.items():

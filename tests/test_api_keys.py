@@ -14,8 +14,8 @@ from fastapi.testclient import TestClient
 
 from kvops.engine.api_keys import ApiKeys, TenantResolver, load_api_keys, tenant_name_problem
 from kvops.engine.config import EngineConfig
-from kvops.engine.errors import ConfigError
 from kvops.engine.server import build_app
+from kvops.schema.errors import ConfigError
 
 MODEL = "SmolLM2-135M-Instruct"
 ADMIN = "admin-token-for-keys"

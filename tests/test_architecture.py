@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,11 +70,63 @@ def run_lint_imports(tree: Path, *args: str) -> subprocess.CompletedProcess[str]
 # ------------------------------------------------------------------------------ import contracts
 
 
-def test_import_contracts_hold(tmp_path: Path) -> None:
+def contracts() -> list[dict[str, Any]]:
+    return list(tomllib.loads(PYPROJECT.read_text())["tool"]["importlinter"]["contracts"])
+
+
+def verdicts(output: str) -> dict[str, str]:
+    """Each contract's name -> KEPT or BROKEN, from lint-imports' summary lines ("<name> KEPT",
+    "<name> KEPT (3 ignored imports)", "<name> BROKEN")."""
+    found: dict[str, str] = {}
+    for line in output.splitlines():
+        match = re.fullmatch(r"(.+) (KEPT|BROKEN)(?: \(.*\))?", line.strip())
+        if match:
+            found[match.group(1)] = match.group(2)
+    return found
+
+
+def plant(tree: Path, module: str, source: str) -> None:
+    """Write `module` (dotted) into the link tree with `source`. The folders on the way that are links
+    into the repository become real folders of links first, so the repository itself is not touched."""
+    folder = tree
+    for part in module.split(".")[:-1]:
+        folder = folder / part
+        if folder.is_symlink():
+            real = folder.resolve()
+            folder.unlink()
+            folder.mkdir()
+            for entry in real.iterdir():
+                if entry.name != "__pycache__":
+                    (folder / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+    (folder / f"{module.rpartition('.')[2]}.py").write_text(source)
+
+
+def test_import_contracts_hold(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     if lint_imports_executable() is None:
         pytest.skip("lint-imports (import-linter, in the test extra) is not installed")
     result = run_lint_imports(build_link_tree(tmp_path / "tree"))
+    found = verdicts(result.stdout)
+    with capsys.disabled():  # in CI's log even when every contract holds
+        print("\nimport contracts:\n" + "\n".join(f"  {verdict:6} {name}" for name, verdict in found.items()))
+    assert sorted(found) == sorted(contract["name"] for contract in contracts()), \
+        f"lint-imports did not report each contract of pyproject.toml:\n{result.stdout}\n{result.stderr}"
     assert result.returncode == 0, f"lint-imports found broken contracts:\n{result.stdout}\n{result.stderr}"
+
+
+def test_an_upward_import_breaks_the_layers_contract(tmp_path: Path) -> None:
+    """An adapter that imports the rules (a layer above it) is reported, by the layers contract alone."""
+    if lint_imports_executable() is None:
+        pytest.skip("lint-imports (import-linter, in the test extra) is not installed")
+    tree = build_link_tree(tmp_path / "tree")
+    plant(tree, "kvops.adapters.upward", "import kvops.rules\n")
+    result = run_lint_imports(tree)
+    layers = next(contract["name"] for contract in contracts() if contract["type"] == "layers")
+    found = verdicts(result.stdout)
+    assert result.returncode != 0
+    assert found.pop(layers) == "BROKEN", result.stdout
+    assert set(found.values()) == {"KEPT"}, result.stdout
+    assert "kvops.adapters.upward -> kvops.rules" in result.stdout
+    assert not (ROOT / "kvops" / "adapters" / "upward.py").exists()
 
 
 def test_the_link_tree_has_the_engine_and_the_kernels(tmp_path: Path) -> None:

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kvops.engine.config import EngineConfig
-from kvops.engine.errors import ConfigError
 from kvops.engine.llm import LLM
 from kvops.engine.sampling import SamplingParams
+from kvops.schema.errors import ConfigError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 

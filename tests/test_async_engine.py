@@ -8,8 +8,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvops.engine.async_engine import AsyncEngine
-from kvops.engine.errors import ConfigError
 from kvops.engine.server import build_app
+from kvops.schema.errors import ConfigError
 
 
 def test_the_engine_is_built_on_the_thread_that_steps_it(llm):

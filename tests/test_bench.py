@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
 
-import httpx
 import pytest
 
 from kvops.bench.engine import main
-from kvops.processes import free_port
 
 
 def test_quick_bench_writes_comparable_results(tmp_path, capsys):
@@ -80,34 +73,10 @@ def test_compare_workloads_scale_down_to_seconds():
     assert tiny["chats"].requests == 2 and tiny["chats"].max_tokens == 6 and tiny["shared-prefix"].prefix_tokens == 60
 
 
-@pytest.fixture(scope="module")
-def kvops_engine() -> Iterator[str]:
-    """A real `kvops engine serve` with a small KV pool."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvops", "engine", "serve", "--port", str(port),
-                             "--kv-cache-memory", "64MiB", "--max-model-len", "1024"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"engine exited {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "engine did not become healthy in 180 s"
-            time.sleep(0.3)
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+@pytest.fixture
+def kvops_engine(shared_engine: str) -> str:
+    """A real `kvops engine serve` with a small KV pool: the session's (conftest.py)."""
+    return shared_engine
 
 
 def test_compare_sends_the_same_requests_to_each_server_in_alternating_order(kvops_engine, tmp_path, capsys):

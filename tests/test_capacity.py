@@ -6,8 +6,9 @@ import pytest
 
 from kvops.engine.capacity import kv_bytes_per_token, plan_capacity
 from kvops.engine.config import EngineConfig, parse_bytes
-from kvops.engine.errors import CapacityError, ConfigError
+from kvops.engine.errors import CapacityError
 from kvops.engine.llm import LLM
+from kvops.schema.errors import ConfigError
 
 
 def test_capacity_counts_blocks_tokens_and_concurrency():

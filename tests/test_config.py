@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvops.engine.errors import ConfigError
+from kvops.schema.errors import ConfigError
 from kvops.supervisor.config import apply_override, load_config
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "kvops.example.toml"

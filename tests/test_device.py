@@ -21,9 +21,10 @@ from kvops import kernels
 from kvops.engine import device as engine_device
 from kvops.engine.config import EngineConfig, parse_bytes
 from kvops.engine.device import activation_headroom, gpu_kv_budget, plan_gpu_kv_budget, resolve_device
-from kvops.engine.errors import CapacityError, ConfigError
+from kvops.engine.errors import CapacityError
 from kvops.engine.kv_pool import allocate_kv_pool
 from kvops.kernels import AttentionMetadata, PrefillSpan
+from kvops.schema.errors import ConfigError
 
 # Triton reads TRITON_INTERPRET when it is imported, so the engine-through-Triton tests run in a child
 # pytest that has it from the start (as tests/test_kernels_triton.py does); this session sees one outcome.

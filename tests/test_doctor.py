@@ -224,6 +224,7 @@ def test_unusable_scrape_exits_2_without_a_traceback(tmp_path, content, words):
 def test_plain_doctor_finds_the_engine_a_local_supervisor_runs(tmp_path, monkeypatch, capsys):
     from waiting import wait_for
 
+    from kvops.doctor import liveness
     from kvops.doctor import run as doctor_run
     from kvops.top.embedded import EmbeddedSupervisor
 
@@ -233,7 +234,7 @@ def test_plain_doctor_finds_the_engine_a_local_supervisor_runs(tmp_path, monkeyp
         engine = wait_for("the managed engine", lambda: [e for e in httpx.get(
             f"{supervisor.url}/api/engines", timeout=2).json() if e["up"] and e["snapshot_time"]], 180,
             (supervisor.process,))[0]
-        monkeypatch.setattr(doctor_run, "SUPERVISOR_URL", supervisor.url)  # instead of the default 127.0.0.1:9400
+        monkeypatch.setattr(liveness, "SUPERVISOR_URL", supervisor.url)  # instead of the default 127.0.0.1:9400
         code = doctor_run.main(["--json"])
         report = json.loads(capsys.readouterr().out)
     finally:

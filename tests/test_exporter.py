@@ -13,7 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from synthetic import snapshot
 
-from kvops.adapters import Scrape, snapshot_from_scrape
+from kvops.adapters import Scrape
+from kvops.kinds import snapshot_from_scrape
 from kvops.schema.snapshot import Snapshot
 from kvops.supervisor import exporter
 from kvops.supervisor.config import parse_config

@@ -20,16 +20,16 @@ from synthetic import snapshot
 from test_supervisor import Daemon, Receiver, _config
 from waiting import wait_for
 
+from kvops.adapters.engine_client import EngineClient
+from kvops.adapters.http_client import HttpClient
 from kvops.engine.server import build_app
+from kvops.history import EngineHistory
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
 from kvops.schema.verdict import Verdict, VerdictKind
 from kvops.supervisor.api import build_supervisor_app
 from kvops.supervisor.audit import AuditLog
 from kvops.supervisor.config import KvopsConfig
-from kvops.supervisor.engine_client import EngineClient
 from kvops.supervisor.fixes import FixManager, Target
-from kvops.supervisor.history import EngineHistory
-from kvops.supervisor.http_client import HttpClient
 from kvops.supervisor.supervisor import Supervisor
 
 NORMALIZE = Fix(kind=FixKind.ADMIN, action="set_normalization", params={"mode": "on"}, description="normalize",

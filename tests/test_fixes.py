@@ -11,13 +11,13 @@ import pytest
 from fastapi.testclient import TestClient
 from waiting import wait_for
 
+from kvops.adapters.engine_client import EngineClient
 from kvops.engine.server import build_app
+from kvops.history import EngineHistory
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
 from kvops.schema.verdict import Verdict, VerdictKind
 from kvops.supervisor.audit import AuditLog
-from kvops.supervisor.engine_client import EngineClient
 from kvops.supervisor.fixes import FixError, FixManager, Target
-from kvops.supervisor.history import EngineHistory
 
 
 @pytest.fixture

@@ -124,7 +124,8 @@ def test_kv_cache_scale_setting_gives_the_pool_a_fixed_scale_or_calibrates(given
 @on_host
 @pytest.mark.parametrize("given", ["abc", "0", "-1", "inf"])
 def test_a_bad_kv_cache_scale_says_what_to_give(given: str):
-    from kvops.engine.config import ConfigError, EngineConfig
+    from kvops.engine.config import EngineConfig
+    from kvops.schema.errors import ConfigError
 
     with pytest.raises(ConfigError, match="--kv-cache-scale"):
         EngineConfig(kv_cache_scale=given)

@@ -7,7 +7,7 @@ import itertools
 import pytest
 from synthetic import snapshot
 
-from kvops.supervisor.history import EngineHistory
+from kvops.history import EngineHistory
 
 
 def test_recent_kept_at_full_rate_older_downsampled_oldest_dropped():

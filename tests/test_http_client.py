@@ -1,4 +1,4 @@
-"""The supervisor's HTTP client (kvops/supervisor/http_client.py) against a real stdlib HTTP server: one
+"""The supervisor's HTTP client (kvops/adapters/http_client.py) against a real stdlib HTTP server: one
 kept-alive connection per thread, a request resent once when the server dropped the idle connection, and
 failures as HttpError naming what happened."""
 
@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from kvops.adapters.http_client import HttpClient, HttpError
 from kvops.processes import free_port
-from kvops.supervisor.http_client import HttpClient, HttpError
 
 
 class Server:

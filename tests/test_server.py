@@ -17,9 +17,9 @@ import httpx
 import openai
 import pytest
 
+from kvops.adapters.engine_client import EngineClient, EngineUnreachable, merge_steps
 from kvops.loadgen import Lengths, LoadError, LoadSpec, Stream, run_load
 from kvops.schema.snapshot import Snapshot, StepSample
-from kvops.supervisor.engine_client import EngineClient, EngineUnreachable, merge_steps
 
 MODEL = "SmolLM2-135M-Instruct"
 TOKEN = "test-admin-token"

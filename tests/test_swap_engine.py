@@ -8,13 +8,13 @@ import pytest
 from kvops.engine.block import BlockState
 from kvops.engine.block_manager import BlockManager
 from kvops.engine.config import EngineConfig
-from kvops.engine.errors import ConfigError
 from kvops.engine.invariants import check_invariants
 from kvops.engine.llm import LLM
 from kvops.engine.metrics import snapshot_families
 from kvops.engine.sampling import SamplingParams
 from kvops.engine.snapshot_builder import swap_window
 from kvops.engine.stats import EngineStats
+from kvops.schema.errors import ConfigError
 
 BLOCK_BYTES = 16 * 46080  # one block of 16 tokens, fp32 SmolLM2-135M
 GREEDY = SamplingParams(temperature=0, max_tokens=64)

@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from kvops.engine.config import ConfigError, EngineConfig
+from kvops.engine.config import EngineConfig
 from kvops.engine.threads import CpuReading, ThreadGovernor, choose_threads, others_busy_cpus, read_cpu, usable_cpus
+from kvops.schema.errors import ConfigError
 
 
 @pytest.mark.parametrize(("cpus", "others", "threads"), [

@@ -1,10 +1,10 @@
 """kvops watching a real vLLM it did not start (issue 16, point 5): doctor --url, `kvops run`, `kvops top --once`.
 
-One vLLM of `kvops vllm setup` for the module, started here through kvops.vllm.launch at block size 128 with a
-256 MiB KV budget, and sent short chats (~35-token prompts), the load on which the block-size capacity
-diagnosis proposes --block-size 32. Every kvops command runs as a subprocess, as a user would run it. Marker
-`vllm`; skipped with the reason when that vLLM or the exported model is missing (the skip of
-test_vllm_managed.py).
+The session's one vLLM of `kvops vllm setup` (conftest.py: managed by a supervisor in the test process, which
+test_vllm_managed then kills and restarts), at block size 128 with a 256 MiB KV budget, sent short chats (~35-token
+prompts), the load on which the block-size capacity diagnosis proposes --block-size 32. Every kvops command runs
+as a subprocess, as a user would run it. Marker `vllm`; skipped with the reason when that vLLM or the exported
+model is missing (the skip of test_vllm_managed.py).
 
 The last test adds Debian's `prometheus` (skipped when absent) with alerts/kvops.rules.yml loaded and the scrape
 config of docs/observability.md at 1 s: the `kvops run` of the module (job kvops-supervisor) and, through its HTTP
@@ -44,12 +44,11 @@ from test_prometheus_e2e import (
     _start,
     _stop,
 )
-from test_vllm_managed import VLLM_PYTHON, _chats, real
+from test_vllm_managed import _chats, real
 from waiting import wait_for
 
-from kvops.processes import free_port, wait_healthy
-from kvops.vllm.launch import ServerSettings, start_server, stop_server
-from kvops.vllm.model_export import default_model_dir
+from kvops.doctor.liveness import known_prefixes
+from kvops.processes import free_port
 
 pytestmark = [pytest.mark.vllm, real]
 
@@ -61,19 +60,16 @@ def _kvops(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]
 
 
 @pytest.fixture(scope="module")
-def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    settings = ServerSettings(model=default_model_dir(), port=free_port(), block_size=128,
-                              kv_cache_memory_bytes=256 * 2**20, max_model_len=1024)
-    log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    with log_path.open("wb") as log:
-        process = start_server(VLLM_PYTHON, settings, log)
-        try:
-            took = wait_healthy(settings.url, process, 420, "vLLM", log_path)
-            print(f"\nvLLM watched by kvops: up in {took:.0f} s at {settings.url}")
-            _chats(settings.url, CHATS)
-            yield settings.url
-        finally:
-            stop_server(process)
+def vllm_url(shared_vllm: Any) -> str:
+    """The session's one real vLLM (conftest.py), sent short chats; kvops watches it here as a server it did not
+    start (its supervisor is another one, in the test process)."""
+    engine = shared_vllm.engine()
+    assert engine["up"] and engine["args"]["block_size"] == 128, (
+        f"the shared vLLM is not at block size 128 ({engine}): run test_vllm_live before test_vllm_managed, whose "
+        "block-size fix restarts it")
+    print(f"\nvLLM watched by kvops at {engine['url']}")
+    _chats(engine["url"], CHATS)
+    return str(engine["url"])
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +197,7 @@ def test_doctor_on_a_url_that_is_not_vllm_says_what_it_found():
         server.server_close()
     assert done.returncode == 1 and "Traceback" not in done.stdout + done.stderr
     assert f"something answers at {url} but it is not an inference engine: GET /health → 200 text/html" in done.stdout
-    assert "/metrics has no kvops_, vllm: or sglang: metrics" in done.stdout
+    assert f"/metrics has no {known_prefixes()} metrics" in done.stdout and "kvops_, vllm:, sglang:" in done.stdout
 
 
 def test_doctor_on_the_supervisor_url_says_what_it_found(vllm_url, supervisor):

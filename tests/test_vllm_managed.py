@@ -3,20 +3,19 @@
 Fast tests: a restart fix's kvops settings as vLLM's args, [engines.args] as vLLM's command line, and the
 lifecycle with a fake vLLM interpreter (a small script that serves /health and /metrics, or dies at start
 like a vLLM refusing a flag). Real tests (marker `vllm`): the supervisor managing the real vLLM of
-`kvops vllm setup`, started once for the module, with the supervisor API on a real port: kill -9 -> restarted;
-short chats -> the block-size diagnosis, its fix applied through the API -> restarted with the new --block-size,
-and judged. Skipped with the reason when that vLLM or the model is missing.
+`kvops vllm setup`, the one vLLM of the session (conftest.py; test_vllm_live watches it first), with the
+supervisor API on a real port: kill -9 -> restarted; short chats -> the block-size diagnosis, its fix applied
+through the API -> restarted with the new --block-size, and judged. Skipped with the reason when that vLLM or the
+model is missing.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +24,10 @@ import psutil
 import pytest
 from waiting import wait_for
 
-from kvops.engine.errors import ConfigError
+from kvops.history import EngineHistory
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
+from kvops.schema.errors import ConfigError
 from kvops.supervisor.config import KvopsConfig, parse_config
-from kvops.supervisor.history import EngineHistory
 from kvops.supervisor.managed_engine import ManagedEngine
 from kvops.vllm.flags import FIX_SETTINGS, InstalledFlags, args_for_fix, cli_flags, server_settings
 from kvops.vllm.install import default_venv_dir, venv_python
@@ -36,12 +35,6 @@ from kvops.vllm.launch import server_argv, server_env
 from kvops.vllm.model_export import default_model_dir, export_is_complete
 
 VLLM_PYTHON = venv_python(default_venv_dir())
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # ------------------------------------------------------------------ settings and flags
@@ -273,31 +266,10 @@ class Served:
         return self.api.get("/api/engines").json()[0]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    state = tmp_path_factory.mktemp("state")
-    config = parse_config({
-        "supervisor": {"listen": f"127.0.0.1:{_free_port()}", "state_dir": str(state), "poll_interval_s": 0.5,
-                       "verify_after_s": 20, "alert_warmup_s": 0},
-        "engines": [{"name": "vllm", "kind": "vllm", "python": str(VLLM_PYTHON),
-                     "args": {"block_size": 128, "kv_cache_memory": "64MiB", "max_model_len": 1024},
-                     "restart": {"initial_backoff_s": 0.5}}],
-    }, "test")
-    served = Served(config, "secret")
-    served.thread.start()
-    started = time.monotonic()
-    served.sup.start()
-    try:
-        try:
-            wait_for("vLLM up", lambda: served.engine()["up"], 420, every_s=1)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}: {served.engine()}") from None
-        print(f"\nvLLM managed by kvops: up in {time.monotonic() - started:.0f} s")
-        yield served
-    finally:
-        served.sup.stop()
-        served.server.should_exit = True
-        served.thread.join(timeout=10)
+@pytest.fixture
+def served(shared_vllm: Served) -> Served:
+    """The session's one real vLLM (conftest.py), at block size 128 when these tests start."""
+    return shared_vllm
 
 
 @pytest.mark.vllm

@@ -1,7 +1,9 @@
 """A kvops engine's own `/metrics` as a snapshot: for `kvops doctor --metrics-file` on a saved scrape.
 
-A live kvops engine is read from `/stats` (the full snapshot) instead; the scrape lacks the block map,
-the step series and the shadow/potential hit rates' mode, which are marked unknown here.
+Every metric is read back into the snapshot field `kvops.schema.metrics` declares for it, so a snapshot's numbers
+make the round trip through the engine's text unchanged. A live kvops engine is read from `/stats` (the full
+snapshot) instead; the scrape lacks the block map, the step series and the shadow/potential hit rates' mode,
+which are marked unknown here.
 """
 
 from __future__ import annotations
@@ -10,118 +12,124 @@ from typing import Any
 
 from kvops.adapters.common import finish, histogram_json, neutral, ratio
 from kvops.adapters.prometheus import Scrape
+from kvops.schema.metrics import (
+    EACH,
+    ENGINE_INFO,
+    ENGINE_INFO_LABELS,
+    EVENT_METRICS,
+    SNAPSHOT_METRICS,
+    MetricType,
+    SnapshotMetric,
+    by_stem,
+    field_type,
+    sample_name,
+    split_each,
+)
 from kvops.schema.snapshot import Snapshot
+
+
+def _number(path: str, value: float) -> Any:
+    """A sample's float as the snapshot field's type."""
+    kind = field_type(path)
+    if kind is bool:
+        return value > 0
+    if kind is int:
+        return round(value)
+    return value
+
+
+def _put(data: dict[str, Any], path: str, value: Any, key: str = "") -> None:
+    """Set a dotted path of the snapshot's JSON form, creating the dicts on the way; EACH stands for `key`."""
+    *parents, leaf = path.replace(EACH, key).split(".")
+    for part in parents:
+        data = data.setdefault(part, {})
+    data[leaf] = value
+
+
+def _read_row(scrape: Scrape, row: SnapshotMetric, data: dict[str, Any], gpus: dict[str, dict[str, Any]]) -> None:
+    """One row's series into `data` (GPUs into `gpus`, by NVML index); a vital row's absence marked unknown."""
+    name = row.engine_sample
+    within = split_each(row.field)[1]
+    match row.labels:
+        case ():
+            value = scrape.value(name)
+            if value is None:
+                if row.vital:
+                    data["unknown"].append(row.field)
+                return
+            _put(data, row.field, _number(row.field, value * row.divisor))
+        case ("status",):
+            status = scrape.label(name, "status")
+            if status is not None:
+                _put(data, row.field, status)
+        case ("state",) | ("tenant",):
+            for key, value in scrape.by_label(name, row.labels[0]).items():
+                _put(data, row.field, _number(row.field, value * row.divisor), key)
+        case ("gpu", "name"):
+            for labels, value in scrape.samples.get(name, []):
+                gpu = gpus.setdefault(labels.get("gpu", "0"), {"index": int(labels.get("gpu", 0)),
+                                                               "name": labels.get("name", "")})
+                gpu[within] = _number(row.field, value * row.divisor)
+                if row.known:
+                    gpu[row.known] = True
+        case _:
+            raise ValueError(f"{name}: no way to read labels {row.labels}")
 
 
 def snapshot_from_kvops_metrics(scrape: Scrape, t: float, model_card: dict[str, Any] | None = None,
                                 started_at: float | None = None) -> Snapshot:
-    info = "kvops_engine_info"
-    data = neutral("kvops", t, scrape.label(info, "model") or str((model_card or {}).get("id") or "unknown"))
+    data = neutral("kvops", t, scrape.label(ENGINE_INFO, "model") or str((model_card or {}).get("id") or "unknown"))
     unknown: list[str] = data["unknown"]
     engine = data["engine"]
 
-    def number(name: str, default: float = 0.0, path: str = "") -> float:
-        value = scrape.value(name)
-        if value is None:
-            if path:
-                unknown.append(path)
-            return default
-        return value
-
-    for key in ("dtype", "kv_cache_dtype", "eviction_policy", "device"):
-        engine[key] = scrape.label(info, key) or "unknown"
-    engine["engine_version"] = scrape.label(info, "version") or ""
-    engine["block_size"] = int(float(scrape.label(info, "block_size") or number("kvops_engine_block_size", 16)))
-    engine["num_blocks"] = round(number("kvops_kv_pool_blocks", path="engine.num_blocks"))
-    engine["max_model_len"] = round(number("kvops_engine_max_model_len", path="engine.max_model_len"))
-    engine["max_num_seqs"] = round(number("kvops_engine_max_num_seqs", path="engine.max_num_seqs"))
-    engine["max_num_batched_tokens"] = round(number("kvops_engine_max_num_batched_tokens"))
-    engine["kv_cache_bytes"] = round(number("kvops_kv_cache_bytes", path="engine.kv_cache_bytes"))
-    engine["bytes_per_token"] = round(number("kvops_kv_bytes_per_token", path="engine.bytes_per_token"))
-    engine["enable_prefix_caching"] = number("kvops_prefix_caching_enabled", 1.0) > 0
-
-    counts = {state: round(v) for state, v in scrape.by_label("kvops_kv_blocks", "state").items()}
-    data["blocks"]["counts"].update(counts)
-    data["blocks"]["usage"] = number("kvops_kv_cache_usage_ratio", path="blocks.usage")
-    data["blocks"]["allocated_slots"] = round(number("kvops_kv_allocated_slots"))
-    data["blocks"]["used_slots"] = round(number("kvops_kv_used_slots"))
+    # The swap section only when the engine exports it (engines before swap did not).
+    swap = scrape.has(by_stem("swap_out_blocks").engine_sample)
+    gpus: dict[str, dict[str, Any]] = {}
+    for row in SNAPSHOT_METRICS:
+        if row.engine is not None and (swap or not row.field.startswith("swap.")):
+            _read_row(scrape, row, data, gpus)
+    for label, path in ENGINE_INFO_LABELS.items():
+        if label not in ("model", "block_size"):
+            _put(data, path, scrape.label(ENGINE_INFO, label) or ("" if label == "version" else "unknown"))
+    # A 16-token block when neither the label nor the value says (the engine's default).
+    block_size = scrape.label(ENGINE_INFO, "block_size") or scrape.value(by_stem("engine_block_size").engine_sample)
+    engine["block_size"] = int(float(block_size or 16))
     unknown.append("blocks.state_map")
 
-    queries = number("kvops_prefix_cache_queries_total", path="prefix_cache.queries_total")
-    hits = number("kvops_prefix_cache_hits_total", path="prefix_cache.hits_total")
-    data["prefix_cache"].update(
-        queries_total=round(queries), hits_total=round(hits), hit_rate=ratio(hits, queries),
-        evictions_total=round(number("kvops_prefix_cache_evictions_total")),
-        shadow_queries_total=round(number("kvops_prefix_cache_shadow_queries_total")),
-        shadow_hits_total=round(number("kvops_prefix_cache_shadow_hits_total")),
-        potential_queries_total=round(number("kvops_prefix_cache_potential_queries_total")),
-        potential_hits_total=round(number("kvops_prefix_cache_potential_hits_total")))
+    cache = data["prefix_cache"]
+    cache["hit_rate"] = ratio(cache["hits_total"], cache["queries_total"])
     # The mode is not exported; shadow counters that moved say shadow mode was on at some point.
-    if data["prefix_cache"]["shadow_queries_total"] > 0:
-        data["prefix_cache"]["normalization"] = "shadow"
+    if cache.get("shadow_queries_total", 0) > 0:
+        cache["normalization"] = "shadow"
     unknown.extend(["prefix_cache.window_hit_rate", "prefix_cache.normalization"])
 
-    finished = scrape.value("kvops_requests_finished_total")
-    data["requests"].update(
-        running=round(number("kvops_num_requests_running", path="requests.running")),
-        waiting=round(number("kvops_num_requests_waiting", path="requests.waiting")),
-        finished_total=round(finished or 0), aborted_total=round(number("kvops_requests_aborted_total")),
-        preemptions_total=round(number("kvops_num_preemptions_total", path="requests.preemptions_total")),
-        prompt_tokens_total=round(number("kvops_prompt_tokens_total")),
-        generation_tokens_total=round(number("kvops_generation_tokens_total")))
-    prompts = scrape.histogram("kvops_request_prompt_tokens")
-    data["prompt_lengths"] = histogram_json(prompts)
-    if prompts is None:
-        unknown.append("prompt_lengths")
-    for field, name in (("ttft", "kvops_time_to_first_token_seconds"), ("itl", "kvops_inter_token_latency_seconds")):
-        latency = scrape.histogram(name)  # one series per tenant: summed
-        if latency is None:
-            unknown.append(field)
-        else:
-            data[field] = histogram_json(latency)
+    for metric in EVENT_METRICS:
+        if metric.reads_into is None:
+            continue
+        if metric.type is MetricType.HISTOGRAM:  # one series per tenant: summed
+            parsed = scrape.histogram(metric.name)
+            if parsed is None:
+                unknown.append(metric.reads_into)
+            else:
+                _put(data, metric.reads_into, histogram_json(parsed))
+        elif (total := scrape.value(sample_name(metric.name, metric.type))) is not None:
+            _put(data, metric.reads_into, _number(metric.reads_into, total))
 
-    if scrape.has("kvops_swap_out_blocks_total"):
-        data["swap"] = {
-            "host_blocks": round(number("kvops_host_pool_blocks")),
-            "swapped_blocks": round(number("kvops_swapped_blocks")),
-            "swapped_seqs": round(number("kvops_swapped_sequences")),
-            "swap_out_total": round(number("kvops_swap_out_blocks_total")),
-            "swap_in_total": round(number("kvops_swap_in_blocks_total")),
-            "swap_preemptions_total": round(number("kvops_swap_preemptions_total")),
-            "swap_fallbacks_total": round(number("kvops_swap_fallbacks_total")),
-            "window": {"swap_out_per_s": number("kvops_swap_out_rate_blocks_per_second"),
-                       "swap_in_per_s": number("kvops_swap_in_rate_blocks_per_second"),
-                       "swap_rate": number("kvops_swap_rate")},
-        }
-        data["swap"]["preemption_mode"] = "swap" if data["swap"]["host_blocks"] else "recompute"
+    if swap:
+        data["swap"]["preemption_mode"] = "swap" if data["swap"].get("host_blocks") else "recompute"
         unknown.append("swap.window.allocations")
     else:
         unknown.append("swap")
 
-    tenants: dict[str, dict[str, Any]] = {}
-    for key, name in (("blocks_held", "kvops_tenant_blocks"), ("requests_total", "kvops_tenant_requests_total"),
-                      ("prompt_tokens_total", "kvops_tenant_prompt_tokens_total"),
-                      ("hit_tokens_total", "kvops_tenant_prefix_hit_tokens_total"),
-                      ("evictions_caused", "kvops_tenant_cross_evictions_caused_total"),
-                      ("evictions_suffered", "kvops_tenant_cross_evictions_suffered_total")):
-        for tenant, value in scrape.by_label(name, "tenant").items():
-            tenants.setdefault(tenant, {})[key] = round(value)
-    for stats in tenants.values():
+    for stats in data["tenants"].values():
         stats["hit_rate"] = ratio(stats.get("hit_tokens_total", 0), stats.get("prompt_tokens_total", 0))
-    data["tenants"] = tenants
 
     process = data["process"]
-    process.update(rss_bytes=round(number("kvops_process_resident_memory_bytes")),
-                   cpu_percent=100 * number("kvops_process_cpu_usage_ratio"),
-                   num_threads=round(number("kvops_process_threads")))
-    used = scrape.samples.get("kvops_gpu_memory_used_bytes", [])
-    totals = {labels.get("gpu"): v for labels, v in scrape.samples.get("kvops_gpu_memory_total_bytes", [])}
-    utils = {labels.get("gpu"): v for labels, v in scrape.samples.get("kvops_gpu_utilization_ratio", [])}
-    process["gpus"] = [{"index": int(labels.get("gpu", 0)), "name": labels.get("name", ""),
-                        "memory_used_bytes": round(v),
-                        "memory_total_bytes": round(totals.get(labels.get("gpu"), 0)),
-                        "utilization_percent": 100 * utils.get(labels.get("gpu"), 0.0)} for labels, v in used]
-    process["gpu_status"] = "ok" if process["gpus"] else "no GPU series in the scrape"
+    # A GPU without a utilization series was not sampled (a MIG slice); its other facts still count.
+    process["gpus"] = [{"memory_used_bytes": 0, "memory_total_bytes": 0, "utilization_percent": 0.0,
+                        "utilization_known": False, **gpu} for _, gpu in sorted(gpus.items(), key=lambda i: int(i[0]))]
+    if not scrape.has(by_stem("gpu_status_info").engine_sample):  # engines before the status series
+        process["gpu_status"] = "ok" if process["gpus"] else "no GPU series in the scrape"
     unknown.append("steps")
-    start = scrape.value("kvops_engine_start_time_seconds")
+    start = scrape.value(by_stem("engine_start_time_seconds").engine_sample)
     return finish(data, start if start else started_at)

@@ -21,7 +21,8 @@ import time
 from typing import Any
 
 from kvops.bench.report import configure_logging, log, publish
-from kvops.bench.workloads import CHAT_QUESTIONS, PROSE
+from kvops.bench.workloads import CHAT_QUESTIONS
+from kvops.prose import PROSE
 
 # (name, kv dtype, int4 group size); "fp8/1.0" is fp8 with the fixed scale 1.0, the baseline calibration beats.
 VARIANTS = (("auto", "auto", 32), ("int8", "int8", 32), ("fp8", "fp8", 32), ("fp8/1.0", "fp8", 32),
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = [10] if args.quick else [10, 50, 100]
 
     configure_logging()
-    from kvops.engine.errors import EngineError
+    from kvops.schema.errors import EngineError
 
     variants: list[dict[str, Any]] = []
     try:

@@ -5,38 +5,18 @@
 - ``hf-cb``: transformers' own continuous batching (``generate_batch``, paged KV cache).
 
 Each runner returns a `Run` timed around the generation call(s) only. torch and transformers are
-imported inside the functions: importing this module (the load generator does, for
-`quiet_transformers`) costs nothing.
+imported inside the functions: importing this module costs nothing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from kvops.bench.report import Run, log
 from kvops.bench.workloads import Workload
-
-
-@contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """transformers' warnings, info logs and progress bars off for the block, restored after it."""
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        hf_logging.set_verbosity(level)
-        hf_logging.enable_progress_bar()
+from kvops.logs import quiet_transformers
 
 
 def load_model(model_dir: str | Path) -> Any:

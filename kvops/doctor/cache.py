@@ -14,17 +14,15 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from kvops.adapters import missing_metric
-from kvops.doctor.configuration import PREFIX_CACHING_ON
 from kvops.doctor.report import Check, Status
+from kvops.history import EngineHistory, at_start
+from kvops.kinds import Capability, Remedy, profile, profile_of
 from kvops.rules import RULES, evaluate_all, kv_oom_runtime, prompt_variance
 from kvops.rules.block_size_waste import CAPACITY_SUBJECT
 from kvops.rules.common import capacity_fix, reclaimable_blocks
 from kvops.schema.diagnosis import Diagnosis, Severity
-from kvops.schema.kinds import EXTERNAL_KINDS
 from kvops.schema.reports import KVQuantProfile
 from kvops.schema.snapshot import Snapshot
-from kvops.supervisor.history import EngineHistory, at_start
 
 SECTION = "Cache health"
 TRAFFIC_RULES = ("queueing", "aborted_requests", "latency_slo")  # shown by kvops.doctor.traffic
@@ -37,51 +35,43 @@ FLOOD_RATIO = 8.0
 FLOOD_TOKEN_SHARE = 0.5
 FLOOD_MIN_PROMPTS = 50
 
-FLOOD_REMEDIES = {
-    "kvops": "cap them (--max-model-len), give the tenant sending them a quota (PUT /admin/tenants/NAME "
-             "{\"quota_blocks\": N}), or route long prompts to their own engine",
-    "vllm": "cap them (--max-model-len), or route long prompts to their own engine",
-    "sglang": "cap them (--context-length), or route long prompts to their own engine",
-}
-
 SEVERITY_STATUS = {Severity.CRITICAL: Status.FAIL, Severity.WARNING: Status.WARN, Severity.INFO: Status.INFO}
-
-# vLLM's KV pool flag depends on the device, which its scrape does not show: named for the device the
-# snapshot knows, else for both.
-VLLM_POOL_FLAGS = {
-    "cpu": "--kv-cache-memory-bytes (or VLLM_CPU_KVCACHE_SPACE, in GiB)",
-    "cuda": "--gpu-memory-utilization (or --kv-cache-memory-bytes)",
-    "": "on CPU --kv-cache-memory-bytes or VLLM_CPU_KVCACHE_SPACE (GiB), on GPU --gpu-memory-utilization",
-}
-SGLANG_CAPACITY = "lower --max-running-requests or raise --mem-fraction-static for a larger KV pool"
+# The device keys of a kind's KV pool flags (its notes "kv_pool_flag_cpu", "kv_pool_flag_cuda").
+POOL_DEVICES = ("cpu", "cuda")
 
 
-def vllm_pool_flag(snap: Snapshot) -> str:
+def pool_flag(snap: Snapshot) -> str:
+    """The kind's KV pool flag for the device the snapshot knows, else the wording for every device."""
+    notes = profile_of(snap).notes
     device = snap.engine.device if snap.knows("engine.device") else ""
-    return VLLM_POOL_FLAGS[next((key for key in ("cpu", "cuda") if device.startswith(key)), "")]
+    key = next((key for key in POOL_DEVICES if device.startswith(key)), "")
+    return notes.get(f"kv_pool_flag_{key}" if key else "kv_pool_flag", "")
 
 
 def external_capacity(snap: Snapshot, evidence: Mapping[str, object] | None = None) -> str:
-    """The capacity remedy of a vLLM or SGLang server, with the concurrency that fits when the rule sized it."""
-    if snap.source == "sglang":
-        return SGLANG_CAPACITY
-    if snap.source != "vllm":
-        return ""
+    """The kind's capacity remedy, with the concurrency that fits when the rule sized it ("" for a kind
+    without one)."""
     fit = (evidence or {}).get("fit_max_num_seqs")
-    seqs = f"lower --max-num-seqs to {fit}" if fit else "lower --max-num-seqs"
-    return (f"{seqs} (requests queue instead of preempting each other), or enlarge the KV pool: "
-            f"{vllm_pool_flag(snap)}")
+    return profile_of(snap).remedy(Remedy.CAPACITY, to_fit=f" to {fit}" if fit else "", pool=pool_flag(snap))
 
 
-Remedy = Callable[[Diagnosis, Snapshot], str]
-EXTERNAL_REMEDIES: dict[str, dict[str, Remedy]] = {
-    "kv_oom_runtime": {source: lambda d, s: external_capacity(s, d.evidence) for source in EXTERNAL_KINDS},
-    "swap_storm": {source: lambda d, s: external_capacity(s, d.evidence) for source in EXTERNAL_KINDS},
-    "kv_oom_start": {source: lambda d, s: external_capacity(s, d.evidence) for source in EXTERNAL_KINDS},
-    "prompt_variance": {source: lambda d, s: prompt_variance.EXTERNAL_ADVICE for source in EXTERNAL_KINDS},
-    "prefix_caching_off": {source: lambda d, s: PREFIX_CACHING_ON[s.source] for source in EXTERNAL_KINDS},
-    # The capacity fix already speaks vLLM's flag (`--block-size N`); a server kvops does not run is not drained.
-    "block_size_mismatch": {"vllm": lambda d, s: d.fix.description.removeprefix("drain and ") if d.fix else ""},
+def _block_size_fix(diagnosis: Diagnosis, snap: Snapshot) -> str:
+    """The capacity fix already speaks the kind's flag (`--block-size N`) where it has one; a server kvops does
+    not run is not drained."""
+    if "block_size" not in profile_of(snap).flags:
+        return ""
+    return diagnosis.fix.description.removeprefix("drain and ") if diagnosis.fix else ""
+
+
+ExternalRemedy = Callable[[Diagnosis, Snapshot], str]
+# A server without kvops's admin API: the remedies in its own flags, by rule.
+EXTERNAL_REMEDIES: dict[str, ExternalRemedy] = {
+    "kv_oom_runtime": lambda d, s: external_capacity(s, d.evidence),
+    "swap_storm": lambda d, s: external_capacity(s, d.evidence),
+    "kv_oom_start": lambda d, s: external_capacity(s, d.evidence),
+    "prompt_variance": lambda d, s: prompt_variance.EXTERNAL_ADVICE,
+    "prefix_caching_off": lambda d, s: profile_of(s).remedy(Remedy.PREFIX_CACHING_ON),
+    "block_size_mismatch": _block_size_fix,
 }
 
 
@@ -119,23 +109,24 @@ def evaluate(snaps: list[Snapshot], kv_profile: KVQuantProfile | None = None,
 
 
 def remedy(diagnosis: Diagnosis, snap: Snapshot) -> str:
-    """The diagnosis's fix as the remedy for this kind of server: a kvops engine's fix as kvops run applies
-    it, a vLLM or SGLang server's own flags (kvops cannot change them on a server it does not run)."""
-    source = snap.source
-    if source == "kvops":
+    """The diagnosis's fix as the remedy for this kind of server: with kvops's admin API, the fix as kvops run
+    applies it; else the server's own flags (kvops cannot change them on a server it does not run)."""
+    kind = profile_of(snap)
+    if kind.can(Capability.ADMIN_API):
         if diagnosis.fix is None:
             return ""
         how = " (kvops run applies it with policy auto)" if diagnosis.fix.kind != "report" else ""
         return diagnosis.fix.description + how
-    text = (diagnosis.rule in EXTERNAL_REMEDIES and source in EXTERNAL_REMEDIES[diagnosis.rule]
-            and EXTERNAL_REMEDIES[diagnosis.rule][source](diagnosis, snap))
+    external = EXTERNAL_REMEDIES.get(diagnosis.rule)
+    text = external(diagnosis, snap) if external else ""
     if not text:
         return diagnosis.fix.description if diagnosis.fix is not None and diagnosis.fix.kind == "report" else ""
     if diagnosis.fix is None or diagnosis.fix.kind == "report":
         return text
-    if source == "vllm" and diagnosis.fix.kind == "restart":
-        return f"{text} (kvops run applies it to a vLLM it manages by restarting it; a watched one is yours to restart)"
-    return f"{text} (kvops cannot apply this itself: a {source} server has no kvops admin API)"
+    if kind.can(Capability.MANAGED) and diagnosis.fix.kind == "restart":
+        return (f"{text} (kvops run applies it to a {kind.title} it manages by restarting it; a watched one is yours "
+                "to restart)")
+    return f"{text} (kvops cannot apply this itself: a {snap.source} server has no kvops admin API)"
 
 
 def from_diagnosis(title: str, diagnosis: Diagnosis, snap: Snapshot, section: str = SECTION) -> Check:
@@ -180,7 +171,7 @@ def cache_checks(snaps: list[Snapshot], kv_profile: KVQuantProfile | None = None
 def unreported(title: str, snap: Snapshot, what: str, field: str = "", section: str = SECTION) -> Check:
     """A line that could not be checked: what the server lacks, and the metric (with the version or flag that
     provides it) that would make it checkable."""
-    needs = missing_metric(snap.source, field) if field else ""
+    needs = profile_of(snap).missing_metric(field) if field else ""
     return Check(section=section, title=title, status=Status.SKIPPED, evidence=f"{snap.source} does not report {what}",
                  remedy=f"needs {needs}" if needs else "")
 
@@ -210,8 +201,8 @@ def _usage(latest: Snapshot, snaps: list[Snapshot], found: list[Diagnosis], sour
 
 
 def _capacity_remedy(latest: Snapshot) -> str:
-    if latest.source == "kvops":
-        return "restart with a lower --max-num-seqs or a larger --kv-cache-memory (kvops run sizes it: kv_oom_runtime)"
+    if profile_of(latest).can(Capability.ADMIN_API):  # kvops run sizes it itself: the remedy names no number
+        return profile_of(latest).remedy(Remedy.CAPACITY)
     # The rule's sizing, from this one snapshot: the concurrency that fits the pool.
     _, numbers = capacity_fix(latest, [latest], kv_oom_runtime.Settings().target_usage, "")
     return external_capacity(latest, numbers)
@@ -219,7 +210,8 @@ def _capacity_remedy(latest: Snapshot) -> str:
 
 def _preemptions(latest: Snapshot, found: list[Diagnosis], source: str) -> Check:
     if not latest.knows("requests.preemptions_total"):
-        why = " (SGLang retracts requests without a counter)" if source == "sglang" else ""
+        note = profile(source).notes.get("no_preemption_counter")
+        why = f" ({note})" if note else ""
         return unreported("Preemptions", latest, f"preemptions{why}", "requests.preemptions_total")
     total = latest.requests.preemptions_total
     per_s = total / latest.uptime_s if latest.uptime_s > 0 else 0.0
@@ -241,10 +233,11 @@ def _preemptions(latest: Snapshot, found: list[Diagnosis], source: str) -> Check
 def _hit_rate(latest: Snapshot, found: list[Diagnosis], source: str, blocked: bool = False) -> list[Check]:
     prefix = latest.prefix_cache
     title = "Prefix cache hit rate"
+    kind = profile(source)
     if found:
         checks = [from_diagnosis(title, d, latest) for d in found]
         for check, diagnosis in zip(checks, found, strict=True):
-            if source != "kvops" and diagnosis.rule == "prompt_variance":
+            if not kind.can(Capability.SHADOW_CACHE) and diagnosis.rule == "prompt_variance":
                 # The rule's summary proposes kvops's shadow normalization, which these servers lack.
                 evidence = diagnosis.evidence
                 check.evidence = (f"low: the prefix cache hits {evidence['hit_rate']:.1%} of "
@@ -260,9 +253,10 @@ def _hit_rate(latest: Snapshot, found: list[Diagnosis], source: str, blocked: bo
                                "the run)" + (f", at most {low:.0%}: low" if status is Status.INFO else ""),
                       remedy=prompt_variance.EXTERNAL_ADVICE if status is Status.INFO else "")]
     if not latest.engine.enable_prefix_caching and latest.knows("engine.enable_prefix_caching"):
-        would = (f"; caching would have served {prefix.potential_hit_rate:.1%}" if source == "kvops" else "")
+        would = (f"; caching would have served {prefix.potential_hit_rate:.1%}"
+                 if kind.can(Capability.SHADOW_CACHE) else "")
         return [Check(section=SECTION, title=title, status=Status.INFO, evidence=f"prefix caching is off{would}",
-                      remedy=PREFIX_CACHING_ON.get(source, ""))]
+                      remedy=kind.remedy(Remedy.PREFIX_CACHING_ON))]
     evidence = f"{prefix.hit_rate:.1%} of {prefix.queries_total} prompt tokens"
     if blocked:  # block_size_mismatch's capacity diagnosis: prompts shorter than one block
         return [Check(section=SECTION, title=title, status=Status.INFO,
@@ -273,7 +267,7 @@ def _hit_rate(latest: Snapshot, found: list[Diagnosis], source: str, blocked: bo
     if prefix.normalization == "shadow" and prefix.shadow_queries_total:
         gain = prefix.shadow_hit_rate - prefix.hit_rate
         evidence += f"; normalized prompts would hit {prefix.shadow_hit_rate:.1%} (+{gain:.1%})"
-    elif source == "kvops" and latest.knows("prefix_cache.normalization"):
+    elif kind.can(Capability.LIVE_NORMALIZATION) and latest.knows("prefix_cache.normalization"):
         detail.append(f"normalization {prefix.normalization}: shadow mode measures what it would add "
                       "(PUT /admin/normalization {\"mode\": \"shadow\"})")
     return [Check(section=SECTION, title=title, status=Status.OK, evidence=evidence, detail=detail)]
@@ -283,8 +277,9 @@ def _swap(latest: Snapshot, found: list[Diagnosis], source: str) -> Check:
     if found:
         return from_diagnosis("Swap", found[0], latest)
     if not latest.knows("swap"):
-        if source == "vllm":  # V1 has nothing to swap: no metric to ask for
-            return unreported("Swap", latest, "swap (V1 recomputes preempted requests instead)")
+        no_metric = profile(source).notes.get("no_swap_metric")
+        if no_metric:  # nothing to swap: no metric to ask for
+            return unreported("Swap", latest, f"swap ({no_metric})")
         return unreported("Swap", latest, "swap", "swap")
     swap = latest.swap
     if swap.host_blocks == 0 and swap.swapped_seqs == 0 and latest.knows("swap.swap_out_total"):
@@ -325,7 +320,7 @@ def _prompt_lengths(latest: Snapshot) -> Check:
         return Check(section=SECTION, title=title, status=Status.WARN,
                      evidence=f"long-prompt flood: {evidence}; the longest 1% are {ratio:.0f}× the median and "
                               f"carry ~{share:.0%} of prompt tokens",
-                     remedy=FLOOD_REMEDIES.get(latest.source, ""),
+                     remedy=profile_of(latest).remedy(Remedy.LONG_PROMPTS),
                      detail=detail)
     return Check(section=SECTION, title=title, status=Status.OK, evidence=evidence, detail=detail)
 
@@ -342,28 +337,31 @@ def _tenants(latest: Snapshot, found: list[Diagnosis], source: str) -> list[Chec
                   evidence=f"{len(tenants)} tenant(s), none evicting the others' cached blocks", detail=detail)]
 
 
-def _kv_quant(latest: Snapshot, found: list[Diagnosis], profile: KVQuantProfile | None, why_not: str,
+def _kv_quant(latest: Snapshot, found: list[Diagnosis], kv_profile: KVQuantProfile | None, why_not: str,
               source: str) -> Check:
     title = "KV quantization error"
     if found:
         return from_diagnosis(title, found[0], latest)
     engine = latest.engine
-    if source == "kvops" and engine.kv_cache_dtype == engine.dtype and profile is None and not why_not:
+    kind = profile(source)
+    if kind.can(Capability.KV_QUANTIZATION) and engine.kv_cache_dtype == engine.dtype and kv_profile is None \
+            and not why_not:
         return Check(section=SECTION, title=title, status=Status.OK,
                      evidence=f"KV stored in the model dtype ({engine.dtype}): nothing is quantized",
                      detail=["`--kv-quant` still profiles another dtype's error on request"])
-    if profile is None and source != "kvops":
+    if kv_profile is None and not kind.can(Capability.PROFILES):
         return unreported(title, latest, "a per-layer KV quantization error profile")
-    if profile is None:
+    if kv_profile is None:
         return Check(section=SECTION, title=title, status=Status.SKIPPED, evidence=why_not or "not profiled",
                      remedy="kvops doctor --kv-quant (pauses serving for a few seconds)" if not why_not else "")
-    worst = min(profile.layers, key=lambda layer: layer.min_cosine, default=None)
-    evidence = (f"{profile.kv_cache_dtype}: worst layer {worst.layer} at cosine {worst.min_cosine:.4f} "
-                f"(threshold {profile.threshold})" if worst else f"{profile.kv_cache_dtype}: no layer profiled")
-    if profile.flagged and profile.kv_cache_dtype != engine.kv_cache_dtype:
+    worst = min(kv_profile.layers, key=lambda layer: layer.min_cosine, default=None)
+    evidence = (f"{kv_profile.kv_cache_dtype}: worst layer {worst.layer} at cosine {worst.min_cosine:.4f} "
+                f"(threshold {kv_profile.threshold})" if worst else f"{kv_profile.kv_cache_dtype}: no layer profiled")
+    if kv_profile.flagged and kv_profile.kv_cache_dtype != engine.kv_cache_dtype:
         return Check(section=SECTION, title=title, status=Status.INFO,
-                     evidence=f"{evidence}; if you switch to {profile.kv_cache_dtype}, keep layers "
-                              f"{','.join(map(str, profile.flagged))} in the model dtype",
-                     remedy=f"--kv-cache-dtype-skip-layers {','.join(map(str, profile.flagged))}")
+                     evidence=f"{evidence}; if you switch to {kv_profile.kv_cache_dtype}, keep layers "
+                              f"{','.join(map(str, kv_profile.flagged))} in the model dtype",
+                     remedy=f"--kv-cache-dtype-skip-layers {','.join(map(str, kv_profile.flagged))}")
     return Check(section=SECTION, title=title, status=Status.OK, evidence=evidence,
-                 detail=[f"layer {layer.layer} ({layer.kv_dtype}): {layer.min_cosine:.4f}" for layer in profile.layers])
+                 detail=[f"layer {layer.layer} ({layer.kv_dtype}): {layer.min_cosine:.4f}"
+                         for layer in kv_profile.layers])

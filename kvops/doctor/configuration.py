@@ -14,9 +14,11 @@ import math
 from kvops.doctor.report import Check, Status
 from kvops.engine.capacity import Capacity, plan_capacity
 from kvops.engine.config import EngineConfig, format_bytes
-from kvops.engine.errors import CapacityError, ConfigError
+from kvops.engine.errors import CapacityError
+from kvops.kinds import Capability, Remedy, profile_of
 from kvops.rules import block_size_mismatch
 from kvops.rules.common import blocks_for
+from kvops.schema.errors import ConfigError
 from kvops.schema.reports import BlockSizeProfile
 from kvops.schema.snapshot import Snapshot
 
@@ -130,18 +132,10 @@ def kv_dtype_check(kv_cache_dtype: str, device: str, prefix: str = "") -> Check:
                  remedy="--kv-cache-dtype auto, int8, fp8 or int4")
 
 
-# Per server kind: where its start-up log gives the pool size, and how prefix caching is turned on.
-POOL_LOG_LINE = {"vllm": "vLLM: 'GPU KV cache size'",
-                 "sglang": "SGLang: 'max_total_num_tokens'"}
-PREFIX_CACHING_ON = {"kvops": "PUT /admin/prefix-caching {\"enabled\": true} (live), or restart with "
-                              "--enable-prefix-caching",
-                     "vllm": "restart with --enable-prefix-caching",
-                     "sglang": "restart without --disable-radix-cache"}
-
-
 def snapshot_checks(snap: Snapshot) -> list[Check]:
     """The configuration a running engine reports (for vLLM and SGLang, what their scrape shows of it)."""
     engine = snap.engine
+    kind = profile_of(snap)
     checks: list[Check] = []
     known = all(snap.knows(f"engine.{key}")
                 for key in ("bytes_per_token", "num_blocks", "max_model_len", "max_num_seqs"))
@@ -162,11 +156,11 @@ def snapshot_checks(snap: Snapshot) -> list[Check]:
         missing = [p for p in ("engine.num_blocks", "engine.max_model_len", "engine.bytes_per_token")
                    if not snap.knows(p)]
         remedy = ("max_model_len comes from /v1/models: kvops doctor --url URL" if "engine.num_blocks" not in missing
-                  else f"the pool size is in the server's start-up log ({POOL_LOG_LINE.get(snap.source, '')})")
+                  else f"the pool size is in the server's start-up log ({kind.remedy(Remedy.POOL_SIZE_LOG)})")
         checks.append(Check(section=SECTION, title="KV budget vs max_model_len", status=Status.SKIPPED,
                             evidence=f"{snap.source} does not report {', '.join(missing)}", remedy=remedy))
     if snap.knows("engine.kv_cache_dtype"):
-        if snap.source == "kvops":
+        if kind.can(Capability.KV_QUANTIZATION):  # kvops's own KV dtypes: does this one work on its device
             checks.append(kv_dtype_check(engine.kv_cache_dtype if engine.kv_cache_dtype != engine.dtype else "auto",
                                          engine.device))
         else:
@@ -175,7 +169,7 @@ def snapshot_checks(snap: Snapshot) -> list[Check]:
     if snap.knows("engine.enable_prefix_caching") and not engine.enable_prefix_caching:
         checks.append(Check(section=SECTION, title="Prefix caching", status=Status.WARN,
                             evidence="off: shared prompt prefixes are recomputed every time",
-                            remedy=PREFIX_CACHING_ON.get(snap.source, "")))
+                            remedy=kind.remedy(Remedy.PREFIX_CACHING_ON)))
     return checks
 
 
@@ -185,7 +179,8 @@ def block_size_check(snap: Snapshot, profile: BlockSizeProfile | None, why_not: 
     title = f"Block size {snap.engine.block_size}"
     if profile is None:
         return Check(section=SECTION, title=title, status=Status.SKIPPED, evidence=why_not,
-                     remedy="" if snap.source != "kvops" else "kvops doctor --url URL --admin-token TOKEN")
+                     remedy="kvops doctor --url URL --admin-token TOKEN"
+                     if profile_of(snap).can(Capability.PROFILES) else "")
     configured = next((c for c in profile.candidates if c.block_size == profile.configured), None)
     detail = [f"{c.block_size}: {c.decode_step_ms:.3f} ms/step (IQR {c.iqr_ms:.3f}), fragmentation "
               f"{c.fragmentation:.1%}" for c in profile.candidates]

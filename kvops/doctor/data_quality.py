@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from kvops.adapters.plausibility import problems
 from kvops.doctor.report import Check, Status
+from kvops.kinds import Capability, profile_of
 from kvops.schema.snapshot import Snapshot
 
 SECTION = "Metrics data"
@@ -19,7 +20,7 @@ def data_checks(snaps: list[Snapshot]) -> list[Check]:
     if found:
         return [Check(section=SECTION, title="Implausible data", status=Status.WARN, evidence=problem, remedy=REMEDY)
                 for problem in found]
-    if latest.source == "kvops":
-        return []  # a kvops engine's snapshot is checked by its own invariants
+    if profile_of(latest).can(Capability.STATS):
+        return []  # a kind that serves its whole snapshot (a kvops engine) checks it by the snapshot's invariants
     return [Check(section=SECTION, title="Plausible data", status=Status.OK,
                   evidence="ratios within 0..1, histograms spread over their buckets, counters not going backwards")]

@@ -9,6 +9,7 @@ from importlib import metadata
 from types import ModuleType
 
 from kvops.doctor.report import Check, Status
+from kvops.kinds import Capability, profile_of
 from kvops.schema.snapshot import GpuStats, Snapshot
 
 SECTION = "Environment"
@@ -127,8 +128,8 @@ def engine_device(snap: Snapshot) -> Check:
     gpus = process.engine_gpus()
     if not gpus:
         # No GPU facts: say why (the snapshot's gpu_status), not zeros. A kvops engine on CUDA whose NVML read
-        # failed is worth a look; a kind that never reports its GPU (vLLM, SGLang) is not.
-        cuda = (device.startswith("cuda") and snap.knows("process.gpus") and snap.source == "kvops"
+        # failed is worth a look; a kind read from /metrics, which never reports its GPU, is not.
+        cuda = (device.startswith("cuda") and snap.knows("process.gpus") and profile_of(snap).can(Capability.STATS)
                 and process.gpu_status != "not read")
         return Check(section=SECTION, title="Engine device", status=Status.WARN if cuda else Status.INFO,
                      evidence=f"{device}, {snap.engine.dtype}; GPU: {process.gpu_status}",

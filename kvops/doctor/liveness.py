@@ -1,5 +1,7 @@
 """Liveness: is anything listening, does it answer `/health` in time, is it an inference server kvops
-knows (from `/metrics` and `/v1/models`), and how long one token takes."""
+knows (from `/metrics` and `/v1/models`), and how long one token takes. Then reading it: the few snapshots
+(and, where its kind has them, kvops's profiles) the sections after this one check; or, offline, what a saved
+scrape says of the process that wrote it."""
 
 from __future__ import annotations
 
@@ -10,18 +12,40 @@ from urllib.parse import urlparse
 
 import httpx
 
-from kvops.adapters import Scrape, ScrapeError, detect_flavour, model_card
+from kvops.adapters import Scrape, ScrapeError
+from kvops.adapters.engine_client import EngineUnreachable
 from kvops.doctor.report import Check, Status
-from kvops.schema.kinds import EngineKind
+from kvops.doctor.validator import Examined
+from kvops.kinds import PROFILES, Capability, Remedy, detect, model_card, profile
+from kvops.kinds.client import WatchedEngineClient
+from kvops.schema.reports import BlockSizeProfile, KVQuantProfile
+from kvops.schema.snapshot import Snapshot
 
 SECTION = "Liveness"
 SLOW_FIRST_TOKEN_S = 5.0  # an idle server taking longer than this for one token is worth a look
+LOCAL_URL = "http://127.0.0.1:8000"  # `kvops engine serve`'s default address
+SUPERVISOR_URL = "http://127.0.0.1:9400"  # `kvops run`'s default address: its engines are local ones too
+SAMPLES = 3
+SAMPLE_INTERVAL_S = 0.5  # three snapshots over 1 s: the whole doctor stays under 2 s (issue 21)
+PROFILE_REPEATS = 3  # block-size profile: enough to see a clear difference, short enough for doctor
+NEEDS_TOKEN = "needs the engine's admin token: pass --admin-token or set $KVOPS_ADMIN_TOKEN"
 
-START_COMMANDS = {
-    "kvops": "kvops engine serve --port {port}",
-    "vllm": "vllm serve MODEL --port {port}",
-    "sglang": "python -m sglang.launch_server --model-path MODEL --port {port} --enable-metrics",
-}
+
+def known_prefixes() -> str:
+    """The metric-name prefixes of the kinds kvops reads, as a sentence ("kvops_, vllm: or sglang:")."""
+    prefixes = [prefix for p in PROFILES.values() for prefix in p.recognition.metric_prefixes]
+    return f"{', '.join(prefixes[:-1])} or {prefixes[-1]}" if len(prefixes) > 1 else "".join(prefixes)
+
+
+def _start_commands(port: int) -> str:
+    return "; ".join(f"{p.kind}: {p.remedy(Remedy.START, port=port)}" for p in PROFILES.values()
+                     if p.remedy(Remedy.START))
+
+
+def _not_a_server_remedy() -> str:
+    """Check the port, and turn metrics on where a kind exports none by default."""
+    return ", and ".join(["check the port (the engine's --port)",
+                          *(p.notes["metrics_off"] for p in PROFILES.values() if "metrics_off" in p.notes)])
 
 
 @dataclass
@@ -30,7 +54,7 @@ class Probe:
 
     checks: list[Check] = field(default_factory=list)
     answering: bool = False  # /health answered (any status)
-    flavour: EngineKind | None = None
+    kind: str | None = None
     models: dict[str, Any] | None = None
     scrape: Scrape | None = None
 
@@ -43,7 +67,7 @@ def probe(url: str, timeout_s: float) -> Probe:
         try:
             health = http.get("/health")
         except httpx.ConnectError as exc:
-            starts = "; ".join(f"{k}: {v.format(port=port)}" for k, v in START_COMMANDS.items())
+            starts = _start_commands(port)
             result.checks.append(Check(
                 section=SECTION, title="Listening", status=Status.FAIL,
                 evidence=f"nothing listening at {url} ({_reason(exc)})",
@@ -75,15 +99,16 @@ def probe(url: str, timeout_s: float) -> Probe:
             return result
         result.scrape = _scrape(http)
         result.models = _json(http, "/v1/models")
-        result.flavour = detect_flavour(result.scrape, result.models)
-        if result.flavour is None:
-            kind = health.headers.get("content-type", "?").split(";")[0]
+        found = detect(result.scrape, result.models)
+        result.kind = None if found is None else found.kind
+        if found is None:
+            content = health.headers.get("content-type", "?").split(";")[0]
             result.checks.append(Check(
                 section=SECTION, title="Inference server", status=Status.FAIL,
                 evidence=f"something answers at {url} but it is not an inference engine: GET /health → "
-                         f"{health.status_code} {kind}; /metrics has no kvops_, vllm: or sglang: metrics and "
+                         f"{health.status_code} {content}; /metrics has no {known_prefixes()} metrics and "
                          "/v1/models names no model",
-                remedy="check the port (the engine's --port), and for SGLang start it with --enable-metrics"))
+                remedy=_not_a_server_remedy()))
             return result
         result.checks.append(_health_check(url, health, health_ms))
         if health.status_code == 200:
@@ -159,3 +184,109 @@ def _first_token(http: httpx.Client, model: str | None, timeout_s: float) -> Che
                  evidence=f"{elapsed * 1000:.0f} ms" + (" (slow for one token)" if status is Status.WARN else ""),
                  remedy="a busy or overloaded server: see Cache health (waiting requests, preemptions)"
                  if status is Status.WARN else "")
+
+
+# ------------------------------------------------------------------- reading the target
+
+def offline(examined: Examined) -> list[Check]:
+    """A saved scrape: nothing to ask, and what it says of the process that wrote it."""
+    checks = []
+    if examined.snaps and "uptime_s" in examined.snaps[-1].unknown:
+        # A scrape without the process start: doctor then reads it as an hour's work.
+        checks.append(Check(section=SECTION, title="Process start", status=Status.INFO,
+                            evidence="the scrape has no process_start_time_seconds: rates are taken over an "
+                                     "assumed hour"))
+    if examined.scrape is not None and examined.scrape.damaged_lines:
+        damaged = examined.scrape.damaged_lines
+        checks.append(Check(section=SECTION, title="Scrape", status=Status.WARN,
+                            evidence=f"{len(damaged)} line(s) do not parse (a cut-off scrape?); the checks use the "
+                                     "rest", detail=damaged[:5]))
+    checks.append(Check(section=SECTION, title="Liveness", status=Status.SKIPPED,
+                        evidence="an offline scrape: nothing to ask", remedy="kvops doctor --url URL for a live check"))
+    return checks
+
+
+def reach(examined: Examined) -> list[Check]:
+    """Probe the engine; if it is one kvops reads, take its snapshots (and profiles) into `examined`."""
+    checks: list[Check] = []
+    url = examined.url or local_engine(checks, examined.timeout_s)
+    found = probe(url, examined.timeout_s)
+    if examined.local and not found.answering and found.checks and found.checks[0].title == "Listening":
+        return [*checks, Check(section=SECTION, title="Local engine", status=Status.INFO,
+                               evidence=f"none running at {url}; the checks above are the configuration's",
+                               remedy="start one: kvops engine serve; or check another: kvops doctor --url URL")]
+    checks += found.checks
+    if found.kind is None:
+        return checks
+    examined.kind = found.kind
+    try:
+        snaps = sample(url, found.kind, examined.timeout_s)
+    except EngineUnreachable as exc:
+        return [*checks, Check(section=SECTION, title="Snapshot", status=Status.FAIL, evidence=str(exc))]
+    if profile(found.kind).can(Capability.PROFILES):
+        examined.block_profile, examined.block_why = admin_profile(
+            url, "block-size", BlockSizeProfile, examined.admin_token, {"repeats": PROFILE_REPEATS},
+            examined.timeout_s)
+        if examined.kv_quant:
+            examined.kv_profile, examined.kv_why = admin_profile(url, "kv-quant", KVQuantProfile,
+                                                                 examined.admin_token, {}, examined.timeout_s)
+    else:
+        examined.block_why = examined.kv_why = f"a {found.kind} server has no kvops profile endpoints"
+    examined.snaps = snaps
+    return checks
+
+
+def local_engine(checks: list[Check], timeout_s: float) -> str:
+    """The engine a plain `kvops doctor` examines: the first one a local supervisor runs (a managed
+    engine's port is picked at start), else `kvops engine serve`'s default address."""
+    try:
+        answer = httpx.get(f"{SUPERVISOR_URL}/api/engines", timeout=min(timeout_s, 2.0)).json()
+        engines = [(str(e["name"]), str(e["url"])) for e in answer if isinstance(e, dict) and e.get("url")]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return LOCAL_URL
+    if not engines:
+        return LOCAL_URL
+    (name, url), others = engines[0], engines[1:]
+    checks.append(Check(section=SECTION, title="Supervisor", status=Status.INFO,
+                        evidence=f"kvops run at {SUPERVISOR_URL} runs {len(engines)} engine(s); checking {name} at "
+                                 f"{url}",
+                        remedy="; ".join(f"kvops doctor --url {u} ({n})" for n, u in others)))
+    return url
+
+
+def sample(url: str, kind: str, timeout_s: float) -> list[Snapshot]:
+    """SAMPLES snapshots SAMPLE_INTERVAL_S apart: enough for a trend over the sample, not for the
+    supervisor's windows (see kvops.doctor.cache for how the rules read them)."""
+    client = WatchedEngineClient(url, kind, timeout_s=timeout_s)
+    try:
+        snaps = []
+        for index in range(SAMPLES):
+            if index:
+                time.sleep(SAMPLE_INTERVAL_S)
+            snaps.append(client.snapshot())
+        return snaps
+    finally:
+        client.close()
+
+
+def admin_profile(url: str, which: str, model: Any, token: str | None, params: dict[str, Any],
+                  timeout_s: float) -> tuple[Any, str]:
+    """An on-demand profile through the admin API; (None, why) when it cannot be had."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        response = httpx.get(f"{url}/admin/profile/{which}", params=params, headers=headers,
+                             timeout=max(timeout_s, 120.0))
+    except httpx.HTTPError as exc:
+        return None, f"GET /admin/profile/{which}: {type(exc).__name__}: {exc}"
+    if response.status_code == 401:
+        return None, f"{NEEDS_TOKEN} (the engine answered 401)"
+    if response.status_code == 403:
+        return None, "the engine refused the admin token (403): check --admin-token / $KVOPS_ADMIN_TOKEN"
+    if response.status_code == 404:
+        return None, "the engine's admin endpoints are off: restart it with --admin-token to allow profiles"
+    if response.status_code != 200:
+        return None, f"GET /admin/profile/{which} → {response.status_code}: {response.text[:160]}"
+    try:
+        return model.model_validate_json(response.content), ""
+    except ValueError as exc:
+        return None, f"GET /admin/profile/{which}: unexpected answer: {exc}"

@@ -10,7 +10,7 @@ MARKS = {Status.OK: "[✓]", Status.INFO: "[i]", Status.WARN: "[!]", Status.FAIL
 
 
 def render_text(report: Report, verbose: bool = False) -> str:
-    lines = [f"kvops doctor: {report.target}" + (f" ({report.flavour})" if report.flavour else "")]
+    lines = [f"kvops doctor: {report.target}" + (f" ({report.kind})" if report.kind else "")]
     if not verbose:
         lines[0] += " — run with -v for the detail behind each line"
     for section in SECTIONS:
@@ -40,6 +40,6 @@ def render_text(report: Report, verbose: bool = False) -> str:
 
 
 def render_json(report: Report) -> str:
-    body = report.model_dump(mode="json")
+    body = report.model_dump(mode="json", by_alias=True)
     body["exit_code"] = report.exit_code
     return json.dumps(body, indent=2)

@@ -33,7 +33,8 @@ class Check(BaseModel):
 
 class Report(BaseModel):
     target: str  # what was examined, in words
-    flavour: str | None = None  # kvops | vllm | sglang, when an engine was read
+    # The engine's kind (kvops.kinds), when one was read; "flavour" in the JSON, the key scripts already read.
+    kind: str | None = Field(default=None, serialization_alias="flavour")
     checks: list[Check] = Field(default_factory=list)
     could_not_check: str = ""  # why doctor could not examine the target at all (exit code 2)
     duration_s: float = 0.0

@@ -7,9 +7,9 @@ and the plain numbers when none fired; a line whose metric the server lacks says
 
 from __future__ import annotations
 
-from kvops.adapters import missing_metric
 from kvops.doctor.cache import from_diagnosis, unreported
 from kvops.doctor.report import Check, Status
+from kvops.kinds import profile_of
 from kvops.schema.diagnosis import Diagnosis
 from kvops.schema.snapshot import Histogram, Snapshot
 
@@ -51,7 +51,7 @@ def _aborted(latest: Snapshot, found: list[Diagnosis]) -> Check:
         return Check(section=SECTION, title=title, status=status,
                      evidence=f"{requests.aborted_total} aborted or failed since start; {latest.source} reports no "
                               "count of finished requests to compare them with",
-                     remedy=f"needs {missing_metric(latest.source, 'requests.finished_total')}")
+                     remedy=f"needs {profile_of(latest).missing_metric('requests.finished_total')}")
     ended = requests.aborted_total + requests.finished_total
     share = f" ({requests.aborted_total / ended:.1%})" if ended else ""
     return Check(section=SECTION, title=title, status=Status.OK,

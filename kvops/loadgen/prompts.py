@@ -9,9 +9,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from kvops.bench.peers import quiet_transformers
-from kvops.bench.workloads import SENTENCES
 from kvops.loadgen.spec import LoadError
+from kvops.logs import quiet_transformers
+from kvops.prose import SENTENCES
 
 # Whitespace edits that `normalize_prompt` undoes: between words, at a line break, at the very end.
 _SPACE_NOISE = ("  ", "\t", "\u00a0", " \t", "   ", "\u00a0 ")

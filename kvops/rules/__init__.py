@@ -19,6 +19,7 @@ from typing import Any, Generic, TypeVar
 import structlog
 from pydantic import BaseModel
 
+from kvops.history import EngineHistory
 from kvops.rules import (
     aborted_requests,
     block_size_mismatch,
@@ -37,7 +38,6 @@ from kvops.rules import (
     tenant_pollution,
 )
 from kvops.schema.diagnosis import Diagnosis
-from kvops.supervisor.history import EngineHistory
 
 log = structlog.get_logger(__name__)
 

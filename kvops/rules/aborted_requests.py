@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
+from kvops.history import EngineHistory
 from kvops.rules.common import WindowRuleSettings, covered_window, diagnosis, fresh_latest, run_span
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity
-from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "aborted_requests"
 TITLE = "Many requests are aborted: clients give up before the answer"

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from kvops.history import EngineHistory
 from kvops.rules.block_size_waste import CapacitySettings, capacity_diagnoses
 from kvops.rules.common import (
     Evidence,
@@ -42,7 +43,6 @@ from kvops.rules.common import (
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
 from kvops.schema.reports import BlockSizeProfile, BlockSizeTiming
 from kvops.schema.snapshot import Snapshot, StepSample
-from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "block_size_mismatch"
 TITLE = "Block-size mismatch: another block size decodes measurably faster"

@@ -17,9 +17,9 @@ the sum of the two. For a uniform P over (lo, hi] and a fixed g, E[ceil((P+g)/b)
 (`ceil_sum`); g runs over the generation bucket's integers (at most `MAX_STEPS` evenly spread ones
 when the bucket is wider). With one-token-wide buckets the result is exact.
 
-The candidates are the block sizes the engine takes, defined once here (`candidate_block_sizes`). The
-best is the one with the fewest expected allocated slots (ties go to the larger block: fewer blocks to
-manage); the KV freed is the share of the current allocation it saves.
+The candidates are the block sizes the engine takes, as its kind's profile gives them per device
+(`candidate_block_sizes`). The best is the one with the fewest expected allocated slots (ties go to the
+larger block: fewer blocks to manage); the KV freed is the share of the current allocation it saves.
 
 Prefix caching shares whole blocks only: when prompts are mostly shorter than one block, no block of a
 shared prefix ever fills, and the hit rate stays ~0 however much the prompts share (`prefix_blocked`).
@@ -33,20 +33,15 @@ from dataclasses import dataclass
 
 from pydantic import Field
 
+from kvops.history import EngineHistory
+from kvops.kinds import profile_of
 from kvops.rules.common import Evidence, SnapshotRuleSettings, diagnosis
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
 from kvops.schema.snapshot import Histogram, Snapshot
-from kvops.supervisor.history import EngineHistory
 
 CAPACITY_SUBJECT = "capacity"
 CAPACITY_TITLE = "Block size wastes KV capacity: partly filled last blocks"
 
-# The block sizes each engine takes. vLLM's CPU attention needs a multiple of 32 (`--block-size 16` fails
-# with "No common block size for 16"); kvops proposes the powers of two among them. vLLM's GPU kernels
-# take 8, 16 and 32. A kvops engine takes any size; its block-size profile measures powers of two.
-VLLM_CPU_BLOCK_SIZES = (32, 64, 128, 256)
-VLLM_GPU_BLOCK_SIZES = (8, 16, 32)
-KVOPS_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 MAX_STEPS = 256  # generation lengths summed over per bucket pair
 
 
@@ -127,18 +122,9 @@ def fragmentation(prompts: Lengths, generations: Lengths, b: int) -> float:
 
 
 def candidate_block_sizes(snap: Snapshot) -> tuple[int, ...]:
-    """The block sizes this engine takes. vLLM on an unknown device: the ones both its CPU and GPU builds
-    take. SGLang's radix cache is token-granular (block size 1): none."""
-    if snap.source == "kvops":
-        return KVOPS_BLOCK_SIZES
-    if snap.source != "vllm":
-        return ()
-    device = snap.engine.device if snap.knows("engine.device") else ""
-    if device.startswith("cpu"):
-        return VLLM_CPU_BLOCK_SIZES
-    if device.startswith("cuda"):
-        return VLLM_GPU_BLOCK_SIZES
-    return tuple(sorted(set(VLLM_CPU_BLOCK_SIZES) & set(VLLM_GPU_BLOCK_SIZES)))
+    """The block sizes this engine takes on its device; on an unknown device, the ones every device takes.
+    None for a token-granular cache (block size 1) or a kind whose sizes kvops does not know."""
+    return profile_of(snap).block_sizes_on(snap.engine.device if snap.knows("engine.device") else "")
 
 
 def _generations(snap: Snapshot) -> Lengths | None:
@@ -151,15 +137,23 @@ def _generations(snap: Snapshot) -> Lengths | None:
     return point(max(1, round(snap.requests.generation_tokens_total / finished)))
 
 
-def _flag(snap: Snapshot, size: int) -> str:
-    return f"--block-size {size}" if snap.source != "kvops" else f"block_size={size}"
+def _gpu_alternative(latest: Snapshot, candidates: tuple[int, ...], allocated: dict[int, float],
+                     frag: dict[int, float], best: int) -> str:
+    """The scrape does not say CPU or GPU: the proposal is a size both take; say what a GPU could add."""
+    gpu_only = [size for size in profile_of(latest).block_sizes_by_device.get("cuda", ()) if size not in candidates]
+    if latest.knows("engine.device") or not gpu_only:
+        return ""
+    on_gpu = min(gpu_only, key=lambda size: (round(allocated[size], 6), -size))
+    if allocated[on_gpu] >= allocated[best]:
+        return ""
+    return f"; {best} is taken on CPU and GPU, a GPU server also takes {on_gpu} ({frag[on_gpu]:.0%} empty)"
 
 
 def capacity_diagnoses(history: EngineHistory, settings: CapacitySettings, latest: Snapshot, rule: str,
                        exclude: Collection[int] = ()) -> list[Diagnosis]:
     """The block-size capacity diagnosis (subject `CAPACITY_SUBJECT`) of `latest`, under rule id `rule`;
     `exclude`: block sizes not to propose (a kvops engine's profile measured them clearly slower)."""
-    engine, prompts_hist = latest.engine, latest.prompt_lengths
+    engine, prompts_hist, kind = latest.engine, latest.prompt_lengths, profile_of(latest)
     b = engine.block_size
     candidates = tuple(size for size in candidate_block_sizes(latest) if size not in exclude)
     if (b < 2 or not candidates or not latest.knows("engine.block_size") or not latest.knows("prompt_lengths")
@@ -170,8 +164,8 @@ def capacity_diagnoses(history: EngineHistory, settings: CapacitySettings, lates
         return []
     prompts = lengths_from_histogram(prompts_hist)
     sizes = sorted({b, *candidates})
-    # Reported at every size of this kind of engine (vLLM: CPU's and GPU's), proposed among the candidates.
-    shown = sorted({*sizes, *(VLLM_CPU_BLOCK_SIZES + VLLM_GPU_BLOCK_SIZES if latest.source == "vllm" else ())})
+    # Reported at every size of this kind of engine (on each device it runs on), proposed among the candidates.
+    shown = sorted({*sizes, *(size for on_device in kind.block_sizes_by_device.values() for size in on_device)})
     allocated = {size: expected_allocated(prompts, generations, size) for size in shown}
     mean_len = prompts.mean + generations.mean
     frag = {size: 1 - mean_len / allocated[size] for size in shown}
@@ -217,18 +211,11 @@ def capacity_diagnoses(history: EngineHistory, settings: CapacitySettings, lates
     if prefix_blocked:
         summary += (f"; prefix caching hit {hit_rate:.1%} of {queried} prompt tokens because the median prompt "
                     f"({p50:.0f} tokens) is shorter than one block")
-    also = ""
-    gpu_only = [size for size in VLLM_GPU_BLOCK_SIZES if size not in candidates]
-    if latest.source == "vllm" and not latest.knows("engine.device") and gpu_only:
-        # The scrape does not say CPU or GPU: the proposal is a size both take; say what a GPU could add.
-        on_gpu = min(gpu_only, key=lambda size: (round(allocated[size], 6), -size))
-        if allocated[on_gpu] < allocated[best]:
-            also = (f"; {best} is taken on CPU and GPU, a GPU server also takes {on_gpu} "
-                    f"({frag[on_gpu]:.0%} empty)")
+    also = _gpu_alternative(latest, candidates, allocated, frag, best)
     return [diagnosis(
         history, rule, CAPACITY_TITLE, severity, summary, evidence, subject=CAPACITY_SUBJECT,
         fix=Fix(kind=FixKind.RESTART, action="restart_engine", params={"block_size": best},
-                description=f"drain and restart with {_flag(latest, best)} (now {b}): each sequence holds "
+                description=f"drain and restart with {kind.flag('block_size', best)} (now {b}): each sequence holds "
                             f"~{allocated[best]:.0f} KV slots instead of ~{allocated[b]:.0f}{also}",
                 # Used over allocated slots rises by saving / (1 - saving) when each sequence holds `saving`
                 # fewer slots for the same tokens: half of that must show. A server without a slot fill

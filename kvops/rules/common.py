@@ -14,9 +14,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvops.history import EngineHistory, Getter
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
 from kvops.schema.snapshot import GpuStats, Histogram, Snapshot, StepSample, histogram_since
-from kvops.supervisor.history import EngineHistory, Getter
 
 Evidence = dict[str, float | int | str | bool | None]
 

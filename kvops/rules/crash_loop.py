@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from kvops.history import EngineHistory
 from kvops.rules.common import RuleSettings, diagnosis
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity
 from kvops.schema.engines import EngineExit
-from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "crash_loop"
 TITLE = "Crash loop: the engine keeps exiting"

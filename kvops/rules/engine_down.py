@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from kvops.history import EngineHistory
 from kvops.rules.common import RuleSettings, diagnosis
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity
-from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "engine_down"
 TITLE = "Engine down: health checks failing"

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from kvops.history import EngineHistory
 from kvops.rules.common import Evidence, WindowRuleSettings, covered, diagnosis, engine_gpus, fresh_latest, run_span
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity
-from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "host_bound"
 TITLE = "Host-bound engine: the CPU is saturated while the GPU idles"

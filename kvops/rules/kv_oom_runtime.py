@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from kvops.history import EngineHistory
 from kvops.rules.common import (
     WindowRuleSettings,
     capacity_fix,
@@ -27,7 +28,6 @@ from kvops.rules.common import (
 )
 from kvops.schema.diagnosis import Diagnosis, Objective, Severity
 from kvops.schema.snapshot import Snapshot
-from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "kv_oom_runtime"
 TITLE = "OOM risk at run time: free KV blocks trending to zero"

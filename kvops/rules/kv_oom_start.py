@@ -12,6 +12,7 @@ import math
 
 from pydantic import Field
 
+from kvops.history import EngineHistory
 from kvops.rules.common import (
     GPU_HEADROOM,
     SnapshotRuleSettings,
@@ -22,7 +23,6 @@ from kvops.rules.common import (
     memory_evidence,
 )
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
-from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "kv_oom_start"
 TITLE = "OOM risk at start: the KV pool cannot hold max_num_seqs requests of max_model_len"

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from kvops.history import EngineHistory
 from kvops.rules.common import SnapshotRuleSettings, diagnosis, fresh_latest
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity
-from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "kv_quant_error"
 TITLE = "KV quantization error: some layers lose precision"

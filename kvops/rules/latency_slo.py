@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from pydantic import Field, field_validator
 
+from kvops.history import EngineHistory
 from kvops.rules.common import (
     WindowRuleSettings,
     covered_window,
@@ -24,7 +25,6 @@ from kvops.rules.common import (
 )
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity
 from kvops.schema.snapshot import HISTOGRAM_PERCENTILES, Histogram, Snapshot
-from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "latency_slo"
 TITLE = "Latency above its objective"

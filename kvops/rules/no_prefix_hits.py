@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from kvops.history import EngineHistory
+from kvops.kinds import Capability, profile_of
 from kvops.rules.common import (
     WindowRuleSettings,
     cache_lookups,
@@ -27,7 +29,6 @@ from kvops.rules.common import (
 )
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity
 from kvops.schema.snapshot import Snapshot
-from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "no_prefix_hits"
 FULL_POOL_USAGE = 0.95  # KV usage from which the pool is too full to keep cached blocks
@@ -82,7 +83,7 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
     if hit_rate > settings.max_hit_rate:
         return []
     shadow_hit_rate = None
-    if latest.source == "kvops":
+    if profile_of(latest).can(Capability.LIVE_NORMALIZATION):
         mode = latest.prefix_cache.normalization
         shadow_queries, shadow_hits = cache_lookups(history, span, "shadow_")
         shadow_hit_rate = shadow_hits / shadow_queries if shadow_queries > 0 else None

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from kvops.history import EngineHistory
+from kvops.kinds import profile_of
 from kvops.rules.common import PrefixCacheRuleSettings, cache_lookups, covered_steady_span, diagnosis, fresh_latest
 from kvops.schema.admin import SET_PREFIX_CACHING
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
 from kvops.schema.snapshot import Snapshot
-from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "prefix_caching_off"
 # The hit rate before is 0 (caching off), so the objective's effect is absolute: 5 points of prompt tokens
@@ -74,7 +75,7 @@ def _unmeasured(history: EngineHistory, settings: Settings, latest: Snapshot, sp
         return []
     summary = (f"prefix caching is off: {prompt_tokens:.0f} prompt tokens prefilled in the last {span:.0f} s, none "
                f"looked up ({latest.source} does not measure what caching would have served)")
-    flag = "--enable-prefix-caching" if latest.source == "vllm" else "enable_prefix_caching"
+    flag = profile_of(latest).flag("enable_prefix_caching")
     return [diagnosis(
         history, RULE_ID, TITLE, Severity.INFO, summary,
         {"enable_prefix_caching": False, "prompt_tokens": int(prompt_tokens), "potential_hit_rate": None,

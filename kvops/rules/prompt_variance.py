@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from kvops.history import EngineHistory
+from kvops.kinds import Capability, profile_of
 from kvops.rules.common import PrefixCacheRuleSettings, cache_lookups, covered_steady_span, diagnosis, fresh_latest
 from kvops.rules.no_prefix_hits import NEAR_ZERO_HIT_RATE
 from kvops.schema.admin import SET_NORMALIZATION
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
 from kvops.schema.snapshot import Snapshot
-from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "prompt_variance"
 TITLE = "Low hit rate from prompt variance: normalized prompts would hit the cache"
@@ -92,10 +93,11 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
     if (queries < settings.min_queried_tokens or requests < settings.shadow_probe_min_requests
             or hit_rate > settings.shadow_probe_max_hit_rate):
         return []
-    if latest.source != "kvops" and hit_rate <= NEAR_ZERO_HIT_RATE:
+    normalizes = profile_of(latest).can(Capability.LIVE_NORMALIZATION)
+    if not normalizes and hit_rate <= NEAR_ZERO_HIT_RATE:
         return []  # no normalization to offer: no_prefix_hits reports (almost) no hits with their likely causes
     summary = f"the prefix cache hits {hit_rate:.0%} of {queries:.0f} prompt tokens over {requests:.0f} requests"
-    if latest.source == "kvops":
+    if normalizes:
         summary += ": measure whether normalization would help"
         # Shadow mode changes nothing served; it only measures. No objective: it is not a fix.
         measure = SET_NORMALIZATION.fix({"mode": "shadow"}, "switch prompt normalization to shadow mode to measure "

@@ -5,13 +5,15 @@ Over the window, requests wait in most snapshots (and enough of them on average)
 pool held by running sequences stays below a headroom threshold and preemptions are not rising. A full
 pool, or a rising preemption rate, is KV-bound queueing: kv_oom_runtime's case, so this rule stays
 silent there and the two never report one queue twice. What to raise is the engine's own concurrency
-knob (`KNOBS`, per kind of engine); nothing is changed automatically (a report).
+knob, in its kind's words (its profile's `Remedy.QUEUEING`); nothing is changed automatically (a report).
 """
 
 from __future__ import annotations
 
 from pydantic import Field
 
+from kvops.history import EngineHistory
+from kvops.kinds import Remedy, profile_of
 from kvops.rules.common import (
     Evidence,
     WindowRuleSettings,
@@ -25,19 +27,13 @@ from kvops.rules.common import (
 )
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity
 from kvops.schema.snapshot import Snapshot
-from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "queueing"
 TITLE = "Requests queue while the KV cache has room: scheduler- or concurrency-bound"
 DESCRIPTION = "requests wait through the window while KV usage stays below the headroom and nothing is preempted"
 
-# The knobs that admit more of the queue, in each engine's own words.
-KNOBS = {
-    "kvops": "raise max_num_seqs (--max-num-seqs)",
-    "vllm": "raise --max-num-seqs and --max-num-batched-tokens, and keep chunked prefill on "
-            "(--enable-chunked-prefill) so long prompts do not hold the queue",
-    "sglang": "raise --max-running-requests, and --chunked-prefill-size so queued prompts are prefilled faster",
-}
+# A kind whose profile does not word the knob: named by what it does, no kind's flag in another's mouth.
+UNWORDED_KNOB = "raise the server's limit on running requests"
 
 
 class Settings(WindowRuleSettings):
@@ -104,7 +100,7 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
     critical = ((isinstance(ttft_s, float) and ttft_s >= settings.critical_ttft_s)
                 or mean_waiting >= settings.critical_waiting_ratio * max(mean_running, 1.0))
 
-    knob = KNOBS.get(latest.source, KNOBS["kvops"])
+    knob = profile_of(latest).remedy(Remedy.QUEUEING) or UNWORDED_KNOB
     bound = f"running is at max_num_seqs={cap}" if at_cap else "the scheduler admits slower than requests arrive"
     # A p95 above the histogram's last bound reads as that bound: the mean then tells how far above.
     parts = [f"{label} {ttft[key]:.1f} s" for label, key in (("p95", "ttft_p95_s"), ("mean", "ttft_mean_s"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from kvops.history import EngineHistory
 from kvops.rules.common import (
     SnapshotRuleSettings,
     capacity_fix,
@@ -22,7 +23,6 @@ from kvops.rules.common import (
     with_objectives,
 )
 from kvops.schema.diagnosis import Diagnosis, Objective, Severity
-from kvops.supervisor.history import EngineHistory
 
 RULE_ID = "swap_storm"
 TITLE = "Swap storm: preempted sequences thrash between device and host"

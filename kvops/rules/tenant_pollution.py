@@ -14,6 +14,7 @@ import math
 
 from pydantic import Field
 
+from kvops.history import EngineHistory, Getter
 from kvops.rules.common import (
     WindowRuleSettings,
     blocks_for,
@@ -28,7 +29,6 @@ from kvops.rules.common import (
 from kvops.schema.admin import SET_TENANT_QUOTA
 from kvops.schema.diagnosis import Diagnosis, Objective, Severity
 from kvops.schema.snapshot import Snapshot
-from kvops.supervisor.history import EngineHistory, Getter
 
 RULE_ID = "tenant_pollution"
 TITLE = "Tenant pollution: one tenant evicts the others' cached blocks"

@@ -18,11 +18,11 @@ from typing import Any
 import structlog
 from pydantic import BaseModel, Field
 
+from kvops.history import EngineHistory
 from kvops.schema.audit import AuditEntry
 from kvops.schema.diagnosis import Diagnosis
 from kvops.schema.snapshot import Snapshot
 from kvops.supervisor.config import parse_config
-from kvops.supervisor.history import EngineHistory
 from kvops.supervisor.supervisor import Supervisor
 
 log = structlog.get_logger("kvops.scenarios")

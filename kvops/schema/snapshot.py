@@ -12,8 +12,6 @@ from collections.abc import Callable
 
 from pydantic import BaseModel, Field
 
-from kvops.schema.kinds import ENGINE_KINDS
-
 SCHEMA_VERSION = 1
 
 # One character per block state in the compact block map (see `encode_block_map`).
@@ -282,14 +280,10 @@ class ProcessStats(BaseModel):
         return flagged or list(self.gpus)
 
 
-# Where a snapshot came from: a kvops engine's /stats, or an adapter reading another server's /metrics.
-SNAPSHOT_SOURCES = ENGINE_KINDS
-
-
 class Snapshot(BaseModel):
     schema_version: int = SCHEMA_VERSION
     # Added compatibly (defaults = a kvops engine that reports everything), so schema_version stays 1.
-    source: str = "kvops"  # one of SNAPSHOT_SOURCES
+    source: str = "kvops"  # the kind of server it came from: a kind of kvops.kinds
     # Fields the source does not report, as dotted paths ("swap", "tenants", "engine.num_blocks"): they hold
     # neutral values (0, empty) that rules read as "nothing happening", and doctor marks as not checked.
     unknown: list[str] = Field(default_factory=list)

@@ -75,9 +75,44 @@ def _last_log(managed: ManagedEngine | None) -> str | None:
     return managed.log_tail[-1].text
 
 
+def require_admin(sup: Supervisor, authorization: str | None) -> None:
+    if not sup.admin_token:
+        raise Refusal(403, "changing things needs an admin token: start kvops run with "
+                           f"${sup.config.supervisor.admin_token_env} set")
+    if not authorization or not authorization.startswith("Bearer "):
+        raise Refusal(401, "this call needs 'Authorization: Bearer <admin token>'")
+    if not hmac.compare_digest(authorization.removeprefix("Bearer ").encode(), sup.admin_token.encode()):
+        raise Refusal(403, "the admin token is wrong")
+
+
+def engine_named(sup: Supervisor, name: str) -> EngineState:
+    state = sup.engines.get(name)
+    if state is None:
+        raise Refusal(404, f"no engine named {name!r}; engines: {', '.join(sup.engines)}")
+    return state
+
+
+def fix_step(step: Callable[[], AuditEntry], status_if_refused: int) -> JSONResponse:
+    """Run a fix step; a FixError (the reason it cannot be done) is the refusal's message."""
+    try:
+        entry = step()
+    except RevertPending as exc:  # not a refusal: accepted, and retried in the background
+        raise Refusal(503, str(exc)) from None
+    except FixError as exc:
+        raise Refusal(status_if_refused, str(exc)) from None
+    return JSONResponse(entry.model_dump(mode="json"))
+
+
 def build_supervisor_app(sup: Supervisor) -> FastAPI:
     app = FastAPI(title="kvops supervisor", docs_url=None, redoc_url=None)
+    _answer_errors(app)
+    _add_watch_routes(app, sup)
+    _add_fix_routes(app, sup)
+    _add_control_routes(app, sup)
+    return app
 
+
+def _answer_errors(app: FastAPI) -> None:
     @app.exception_handler(Refusal)
     async def refused(_: Request, exc: Refusal) -> JSONResponse:
         return _error(exc.status, str(exc))
@@ -96,30 +131,9 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
             message = "no such endpoint: see the list in docs/supervisor.md (GET /api/engines, /api/diagnoses, ...)"
         return _error(exc.status_code, message)
 
-    def require_admin(authorization: str | None) -> None:
-        if not sup.admin_token:
-            raise Refusal(403, "changing things needs an admin token: start kvops run with "
-                               f"${sup.config.supervisor.admin_token_env} set")
-        if not authorization or not authorization.startswith("Bearer "):
-            raise Refusal(401, "this call needs 'Authorization: Bearer <admin token>'")
-        if not hmac.compare_digest(authorization.removeprefix("Bearer ").encode(), sup.admin_token.encode()):
-            raise Refusal(403, "the admin token is wrong")
 
-    def engine_named(name: str) -> EngineState:
-        state = sup.engines.get(name)
-        if state is None:
-            raise Refusal(404, f"no engine named {name!r}; engines: {', '.join(sup.engines)}")
-        return state
-
-    def fix_step(step: Callable[[], AuditEntry], status_if_refused: int) -> JSONResponse:
-        """Run a fix step; a FixError (the reason it cannot be done) is the refusal's message."""
-        try:
-            entry = step()
-        except RevertPending as exc:  # not a refusal: accepted, and retried in the background
-            raise Refusal(503, str(exc)) from None
-        except FixError as exc:
-            raise Refusal(status_if_refused, str(exc)) from None
-        return JSONResponse(entry.model_dump(mode="json"))
+def _add_watch_routes(app: FastAPI, sup: Supervisor) -> None:
+    """What the supervisor sees: itself, its engines, their snapshots and logs, diagnoses and alerts."""
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -132,30 +146,11 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
 
     @app.get("/api/engines")
     async def engines() -> list[dict[str, Any]]:
-        out = []
-        for name, state in sup.engines.items():
-            latest, managed = state.history.latest, state.managed
-            # Before the first health check `is_up` is None: not up yet (a None here was a 500 on every call).
-            out.append(EngineEntry(
-                name=name, url=state.url, kind=exporter.engine_kind(state), managed=state.spec.managed,
-                up=bool(state.history.is_up),
-                pid=managed.pid if managed else (latest.engine.pid if latest else None),
-                restarts=state.history.restarts_total, crash_loop=state.history.crash_loop,
-                last_error=state.last_error,
-                last_exit=state.history.exits[-1] if state.history.exits else None,
-                args=managed.args if managed else None,
-                diagnoses=len(state.diagnoses),
-                snapshot_time=latest.time if latest else None,
-                started_at=managed.started_at if managed and managed.pid else None,
-                restart_at=managed.next_start_at if managed else None,
-                last_log=_last_log(managed),
-                data_problems=state.data_problems,
-            ).model_dump(mode="json"))
-        return out
+        return [_engine_entry(name, state).model_dump(mode="json") for name, state in sup.engines.items()]
 
     @app.get("/api/engines/{name}/logs")
     async def logs(name: str, lines: int = 100) -> Any:
-        state = engine_named(name)
+        state = engine_named(sup, name)
         if state.managed is None:
             return []  # a watched engine logs wherever it was started; kvops never sees its output
         tail = list(state.managed.log_tail)[-max(0, min(lines, LOG_TAIL_LINES)):] if lines > 0 else []
@@ -163,14 +158,14 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
 
     @app.get("/api/engines/{name}/snapshot")
     async def snapshot(name: str) -> Response:
-        state = engine_named(name)
+        state = engine_named(sup, name)
         if state.history.latest is None:
             raise Refusal(404, f"no snapshot from engine {name!r} yet ({state.last_error or 'starting'})")
         return Response(state.history.latest.model_dump_json(), media_type="application/json")
 
     @app.get("/api/engines/{name}/history")
     async def history(name: str, seconds: float = 60.0) -> Response:
-        state = engine_named(name)
+        state = engine_named(sup, name)
         snaps = state.history.window(seconds)
         body = "[" + ",".join(s.model_dump_json() for s in snaps) + "]"
         return Response(body, media_type="application/json")
@@ -198,6 +193,32 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
         # capped: the list is for a person to read, the outbox keeps them all for its retention
         return [d.model_dump(mode="json") for d in sup.alerter.dead_letters(max(1, min(limit, 1000)))]
 
+
+
+def _engine_entry(name: str, state: EngineState) -> EngineEntry:
+    """GET /api/engines's row for one engine."""
+    latest, managed = state.history.latest, state.managed
+    # Before the first health check `is_up` is None: not up yet (a None here was a 500 on every call).
+    return EngineEntry(
+        name=name, url=state.url, kind=exporter.engine_kind(state), managed=state.spec.managed,
+        up=bool(state.history.is_up),
+        pid=managed.pid if managed else (latest.engine.pid if latest else None),
+        restarts=state.history.restarts_total, crash_loop=state.history.crash_loop,
+        last_error=state.last_error,
+        last_exit=state.history.exits[-1] if state.history.exits else None,
+        args=managed.args if managed else None,
+        diagnoses=len(state.diagnoses),
+        snapshot_time=latest.time if latest else None,
+        started_at=managed.started_at if managed and managed.pid else None,
+        restart_at=managed.next_start_at if managed else None,
+        last_log=_last_log(managed),
+        data_problems=state.data_problems,
+    )
+
+
+def _add_fix_routes(app: FastAPI, sup: Supervisor) -> None:
+    """The fix jobs and their audit log; applying and reverting need the admin token."""
+
     @app.get("/api/audit")
     async def audit() -> list[dict[str, Any]]:
         return sup.fixes.snapshot()
@@ -208,8 +229,8 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
 
     @app.post("/api/fixes/apply")
     def apply_fix(body: ApplyFixBody, authorization: str | None = Header(default=None)) -> JSONResponse:
-        require_admin(authorization)
-        state = engine_named(body.engine)
+        require_admin(sup, authorization)
+        state = engine_named(sup, body.engine)
         match = next((d for d in state.diagnoses if d.rule == body.rule and d.subject == body.subject), None)
         if match is None:
             raise Refusal(404, f"no active diagnosis {body.rule!r} (subject {body.subject!r}) on {body.engine!r}")
@@ -217,13 +238,18 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
 
     @app.post("/api/fixes/{entry_id}/revert")
     def revert_fix(entry_id: int, authorization: str | None = Header(default=None)) -> JSONResponse:
-        require_admin(authorization)
+        require_admin(sup, authorization)
         return fix_step(lambda: sup.fixes.revert(entry_id), 404)
+
+
+
+def _add_control_routes(app: FastAPI, sup: Supervisor) -> None:
+    """Acting on an engine: resuming one stopped in a crash loop, profiles (running one needs the admin token)."""
 
     @app.post("/api/engines/{name}/resume")
     def resume(name: str, authorization: str | None = Header(default=None)) -> JSONResponse:
-        require_admin(authorization)
-        state = engine_named(name)
+        require_admin(sup, authorization)
+        state = engine_named(sup, name)
         if state.managed is None:
             raise Refusal(409, f"engine {name!r} is watched, not managed: kvops cannot restart it")
         state.managed.resume_after_crash_loop()
@@ -231,7 +257,7 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
 
     @app.get("/api/engines/{name}/profiles")
     async def profiles(name: str) -> dict[str, Any]:
-        state = engine_named(name)
+        state = engine_named(sup, name)
         history = state.history
         return {"running": state.probes.running or None, "schedule": state.probes.settings.schedule,
                 "block_size": history.block_size_profile.model_dump(mode="json") if history.block_size_profile
@@ -240,12 +266,11 @@ def build_supervisor_app(sup: Supervisor) -> FastAPI:
 
     @app.post("/api/engines/{name}/profiles/block-size")
     def profile_block_size(name: str, authorization: str | None = Header(default=None)) -> JSONResponse:
-        require_admin(authorization)
-        engine_named(name)
+        require_admin(sup, authorization)
+        engine_named(sup, name)
         try:
             sup.profile_block_size(name)
         except ProbeRefused as exc:
             raise Refusal(409, str(exc)) from None
         return JSONResponse({"engine": name, "profile": "block_size", "started": True}, status_code=202)
 
-    return app

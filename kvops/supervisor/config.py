@@ -6,6 +6,7 @@ so `kvops run --check-config` can tell a person exactly what to change.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tomllib
@@ -18,19 +19,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from kvops.alerting import AlertingConfig
 from kvops.config_files import first_error, read_toml
-from kvops.engine.args import ENGINE_SETTINGS
-from kvops.engine.config import EngineConfig
-from kvops.engine.errors import ConfigError
+from kvops.kinds import AUTO, PROFILES, kinds, managed_kinds, managed_profile
 from kvops.rules import RULES
-from kvops.schema.kinds import WatchKind
+from kvops.schema.errors import ConfigError
 from kvops.supervisor.judge import JudgeSettings
 from kvops.supervisor.probes import BlockSizeProfileSettings
-from kvops.vllm.flags import check_args as check_vllm_args
-
-# The kinds kvops starts itself ("auto" is a kvops engine when managed), how their [engines.args] are checked,
-# and how long a start may take by default: vLLM compiles at its first start (~4 min on 2 cores), ~1 min later.
-MANAGED_KINDS = ("auto", "kvops", "vllm")
-VLLM_HEALTH_TIMEOUT_S = 600.0
 
 Policy = Literal["off", "suggest", "auto"]
 
@@ -69,16 +62,16 @@ class EngineSpec(_Strict):
     name: str
     url: str | None = None  # watched engine; a managed one gets http://host:port
     managed: bool = True
-    # What a watched engine is: a kvops engine (read from /stats), vLLM or SGLang (read from /metrics through
-    # kvops.adapters), or auto: recognised from /metrics and /v1/models at the first poll.
-    kind: WatchKind = "auto"
+    # What the engine is: a kind of kvops.kinds (a kvops engine is read from /stats, the others from /metrics),
+    # or auto: a managed kvops engine, or a watched server recognised from /metrics and /v1/models at the first poll.
+    kind: str = AUTO
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)  # 0: a free port at start
     # kvops: EngineConfig settings, as `kvops engine serve` flags; vllm: vLLM's flags in snake_case (kvops.vllm.flags)
     args: dict[str, Any] = Field(default_factory=dict)
-    python: str | None = None  # kind = "vllm": the interpreter that has vLLM (default: kvops.vllm.flags.resolve_python)
+    python: str | None = None  # a kind started from an interpreter (vllm): the one that has it (kvops.vllm.flags)
     admin_token_env: str | None = None  # watched engine: env var with its admin token (needed for fixes)
-    health_timeout_s: float = Field(180.0, gt=0)  # a managed vLLM: VLLM_HEALTH_TIMEOUT_S unless given
+    health_timeout_s: float = Field(180.0, gt=0)  # a managed engine: its kind's health_timeout_s unless given
     drain_timeout_s: float = Field(30.0, gt=0)
     restart: RestartPolicy = Field(default_factory=RestartPolicy)
 
@@ -91,6 +84,14 @@ class EngineSpec(_Strict):
             raise ValueError(f"an engine name is {ENGINE_NAME_RULE}, e.g. \"gpu-0\"")
         return value
 
+    @field_validator("kind")
+    @classmethod
+    def _kind(cls, value: str) -> str:
+        if value != AUTO and value not in PROFILES:
+            allowed = [repr(kind) for kind in (AUTO, *kinds())]
+            raise ValueError(f"Input should be {', '.join(allowed[:-1])} or {allowed[-1]}")
+        return value
+
     @field_validator("url")
     @classmethod
     def _url(cls, value: str | None) -> str | None:
@@ -99,7 +100,7 @@ class EngineSpec(_Strict):
     @field_validator("args")
     @classmethod
     def _args(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        check = _ARG_CHECKS.get(info.data.get("kind", "auto"))
+        check = managed_profile(info.data.get("kind", AUTO)).check_args
         return value if check is None else check(value)
 
     @model_validator(mode="after")
@@ -110,33 +111,20 @@ class EngineSpec(_Strict):
             raise ValueError("a managed engine gets its URL from host and port: drop url, or set managed = false")
         if not self.managed and self.url is None:
             raise ValueError("a watched engine (managed = false) needs url, e.g. url = \"http://10.0.0.5:8000\"")
-        if self.managed and self.kind not in MANAGED_KINDS:
-            raise ValueError(f"kvops manages kvops and vLLM engines: a {self.kind} server is watched (give its url)")
+        managed_titles = [PROFILES[kind].title for kind in managed_kinds() if kind != AUTO]
+        if self.managed and self.kind not in managed_kinds():
+            raise ValueError(f"kvops manages {' and '.join(managed_titles)} engines: a {self.kind} server is watched "
+                             "(give its url)")
         if not self.managed and self.args:
             raise ValueError("args apply to managed engines only: kvops cannot change a watched engine's flags")
-        if self.python is not None and (self.kind != "vllm" or not self.managed):
-            raise ValueError("python applies to a managed vLLM (kind = \"vllm\") only")
-        if self.kind == "vllm" and "health_timeout_s" not in self.model_fields_set:
-            self.health_timeout_s = VLLM_HEALTH_TIMEOUT_S
+        kind = managed_profile(self.kind)
+        if self.python is not None and (not kind.interpreter or not self.managed):
+            started = [p for p in PROFILES.values() if p.interpreter]
+            settings = " or ".join(f"kind = {json.dumps(p.kind)}" for p in started)
+            raise ValueError(f"python applies to a managed {' or '.join(p.title for p in started)} ({settings}) only")
+        if kind.health_timeout_s is not None and "health_timeout_s" not in self.model_fields_set:
+            self.health_timeout_s = kind.health_timeout_s
         return self
-
-
-def _check_kvops_args(value: dict[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(value) - set(ENGINE_SETTINGS))
-    if unknown:
-        raise ValueError(f"unknown engine setting {unknown[0]!r}; allowed: {', '.join(ENGINE_SETTINGS)}")
-    try:
-        EngineConfig(**value)
-    except ConfigError as exc:
-        raise ValueError(str(exc)) from None
-    except TypeError as exc:
-        raise ValueError(f"bad engine setting: {exc}") from None
-    return value
-
-
-# How a managed engine's [engines.args] are checked, by kind (vLLM's flags are checked against the installed vLLM
-# by `kvops run --check-config`, which asks its interpreter).
-_ARG_CHECKS = {"auto": _check_kvops_args, "kvops": _check_kvops_args, "vllm": check_vllm_args}
 
 
 class RuleConfig(_Strict):

@@ -1,15 +1,15 @@
-"""Fix jobs, run off the poll loop: one worker thread per engine takes that engine's jobs one at a time.
+"""A fix job's life, in one place: queued -> applying (an admin call, or a managed restart that may take
+minutes) -> verifying (the after-window) -> verified (kept) / rolled_back / failed.
 
-A job goes queued -> applying (an admin call, or a managed restart that may take minutes) -> verifying
-(the after-window) -> verified (kept) / rolled_back / failed. The poll loop only enqueues (kvops.supervisor.fixes),
-so polling and the other engines never wait for a fix. The verdict is kvops.supervisor.judge's, on the engine's
-snapshots over equal windows before the change and after it took effect; inconclusive gets one more window, then
-the `inconclusive` policy. The engine going down in the window, or a restart that does not come up, is `failed`:
+The poll loop only enqueues (kvops.supervisor.fixes decides what, by policy), so polling and the other engines
+never wait for a fix: `FixJobs` owns a `JobRunner` (kvops.supervisor.fix_runner), one worker thread per engine,
+and hands it `run`, the life below. The verdict is kvops.supervisor.judge's, on the engine's snapshots over
+equal windows before the change and after it took effect; inconclusive gets one more window, then the
+`inconclusive` policy. The engine going down in the window, or a restart that does not come up, is `failed`:
 back on the last good settings, started and health-checked. An undo that cannot reach the engine (a revert, a
 rollback) is retried every `revert_retry_s` until it succeeds, by the same worker, so no new fix starts meanwhile.
-
-`JobRunner` is the execution half of `FixManager` (a mixin): the manager owns the jobs, the audit log and the
-persisted state; the runner's methods run on the worker threads.
+Every step goes to the audit log (kvops.supervisor.audit) with its numbers; pending jobs and each managed
+engine's last good settings are persisted on every change of state (kvops.supervisor.fix_state).
 """
 
 from __future__ import annotations
@@ -18,25 +18,29 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
 
+from kvops.adapters.engine_client import EngineClient, EngineUnreachable
+from kvops.history import EngineHistory
 from kvops.rules import engine_down
 from kvops.schema.admin import ADMIN_ACTIONS
 from kvops.schema.audit import AuditEntry
-from kvops.schema.diagnosis import FixKind, Objective
+from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective
 from kvops.schema.snapshot import Snapshot
 from kvops.schema.verdict import Verdict, VerdictKind
-from kvops.supervisor.engine_client import EngineClient, EngineUnreachable
-from kvops.supervisor.fix_state import MAX_BEFORE_SNAPSHOTS, FixJob
-from kvops.supervisor.history import EngineHistory
+from kvops.supervisor.audit import AuditLog
+from kvops.supervisor.fix_runner import JobRunner
+from kvops.supervisor.fix_state import MAX_BEFORE_SNAPSHOTS, PENDING, FixJob, FixStateFile, FixStateStore, LastGood
 from kvops.supervisor.judge import DEFAULT_SETTINGS, JudgeSettings, judge
 from kvops.supervisor.managed_engine import ManagedEngine
 
 log = structlog.get_logger("kvops.supervisor.fixes")
 
 TICK_S = 0.2  # how often a verifying job looks at the engine's health and for a revert
+DONE_KEPT = 50  # finished jobs kept for GET /api/fixes
 Judge = Callable[[Sequence[Objective], Sequence[Snapshot], Sequence[Snapshot]], Verdict]
 
 
@@ -60,63 +64,69 @@ def between(history: EngineHistory, start: float, end: float) -> list[Snapshot]:
     return [s for s in history.snapshots if start <= s.time <= end]
 
 
-class JobRunner:
-    """The worker half of FixManager: what the attributes below are, FixManager.__init__ says."""
+class FixJobs:
+    """Every fix job from its `queued` entry to its end, and the outcomes the policy reads: which fixes are
+    settled (kept or rolled back, until their diagnosis resolves), the cool-downs, the counts per outcome."""
 
-    targets: Callable[[str], Target]
-    judge: Judge
-    clock: Callable[[], float]
-    inconclusive: str
-    revert_retry_s: float
-    _lock: threading.RLock
-    _queues: dict[str, deque[FixJob]]
-    _workers: dict[str, threading.Thread]
-    _engine_locks: dict[str, threading.Lock]
-    _stop: threading.Event
+    def __init__(self, audit: AuditLog, targets: Callable[[str], Target], state_path: Path | None, cooldown_s: float,
+                 inconclusive: str, revert_retry_s: float, judge: Judge, clock: Callable[[], float]) -> None:
+        self.audit = audit
+        self.targets = targets
+        self.cooldown_s = cooldown_s
+        self.inconclusive = inconclusive
+        self.revert_retry_s = revert_retry_s
+        self.judge = judge
+        self.clock = clock
+        self.store = FixStateStore(state_path)
+        self.tracked: dict[int, FixJob] = {}  # pending ones, and the last DONE_KEPT finished
+        self.done: deque[int] = deque()
+        # Judged fixes, until their diagnosis resolves: a kept fix is not applied again and a rolled-back
+        # one is not retried in a loop. A different fix for the same diagnosis may still be tried, after the cool-down.
+        self.settled: dict[tuple[str, str, str], Fix] = {}
+        self.cooldown_until: dict[tuple[str, str, str], float] = {}
+        self.counts: dict[tuple[str, str, str], int] = {}  # (engine, rule, action) -> how many
+        self.good: dict[str, LastGood] = {}
+        self.lock = threading.RLock()
+        self.runner = JobRunner(self.lock, self.run, self._crashed)
 
-    def record(self, job: FixJob, action: str, **fields: Any) -> AuditEntry: ...  # FixManager's
-    def end(self, job: FixJob, state: str, message: str, verdict: Verdict | None = None) -> AuditEntry: ...
-    def save(self) -> None: ...
-    def mark_good(self, engine: str, args: dict[str, Any]) -> None: ...
-    def last_good(self, engine: str) -> dict[str, Any] | None: ...
+    # -------------------------------------------------------------- queue
 
-    # ------------------------------------------------------------ threads
+    def adopt(self, job: FixJob) -> None:
+        """Track a job (new, or resumed from the state file) without queueing it."""
+        self.tracked[job.id] = job
+        self.runner.track(job.engine)
 
-    def wake(self, engine: str) -> None:
-        """Start the engine's worker if it is not running (it ends when its queue is empty)."""
-        with self._lock:
-            worker = self._workers.get(engine)
-            if (worker is not None and worker.is_alive()) or self._stop.is_set():
-                return
-            worker = threading.Thread(target=self._work, args=(engine,), daemon=True, name=f"kvops-fix-{engine}")
-            self._workers[engine] = worker
-            worker.start()
+    def queue(self, diagnosis: Diagnosis, window_s: float) -> AuditEntry:
+        """A fix kvops can apply, on an engine with no job pending (the caller checked both, under the lock):
+        its `queued` entry, then behind the engine's worker (the caller wakes it once the lock is let go)."""
+        fix: Fix = diagnosis.fix  # type: ignore[assignment]
+        entry = self.count(self.audit.record(action="queued", message=fix.description, engine=diagnosis.engine,
+                                             rule=diagnosis.rule, subject=diagnosis.subject, fix=fix,
+                                             evidence_before=dict(diagnosis.evidence)))
+        job = FixJob(id=entry.id, engine=diagnosis.engine, rule=diagnosis.rule, subject=diagnosis.subject,
+                     fix=fix, evidence_before=dict(diagnosis.evidence), queued_at=self.clock(),
+                     window_s=window_s, entry_ids=[entry.id], message="queued")
+        self.adopt(job)
+        self.runner.enqueue(job)
+        self.save()
+        return entry
 
-    def _work(self, engine: str) -> None:
-        while not self._stop.is_set():
-            with self._lock:
-                queue = self._queues.get(engine)
-                if not queue:
-                    self._workers.pop(engine, None)
-                    return
-                job = queue[0]
-            try:
-                self.run_job(job)
-            except Exception as exc:  # a bug in one job must not stop the engine's later fixes
-                log.exception("fix job failed", engine=engine, job=job.id)
-                if job.state != "reverting":
-                    self.end(job, "failed", f"internal error: {exc}")
-            with self._lock:
-                if queue and queue[0] is job and (job.state != "reverting" or self._stop.is_set()):
-                    queue.popleft()
+    def pending_for(self, engine: str, key: tuple[str, str, str] | None = None) -> bool:
+        return any(j.state in PENDING and j.engine == engine and (key is None or j.key == key)
+                   for j in self.tracked.values())
 
-    def run_job(self, job: FixJob) -> None:
+    def run(self, job: FixJob) -> None:
+        """On the engine's worker: the job's life from where it stands (a resumed job may start midway)."""
         if job.state in ("queued", "applying"):
             self._apply(job)
         if job.state == "verifying":
             self._verify(job)
         if job.state == "reverting":
             self._retry_undo(job)
+
+    def _crashed(self, job: FixJob, exc: Exception) -> None:
+        if job.state != "reverting":
+            self.end(job, "failed", f"internal error: {exc}")
 
     # -------------------------------------------------------------- apply
 
@@ -194,8 +204,8 @@ class JobRunner:
         target = self.targets(job.engine)
         if job.reapply and not self._reapply(job, target):
             return
-        while not self._stop.wait(TICK_S):
-            with self._engine_locks[job.engine]:  # a revert on the API thread takes the same lock
+        while not self.runner.stopping.wait(TICK_S):
+            with self.runner.engine_lock(job.engine):  # a revert on the API thread takes the same lock
                 if job.state != "verifying":
                     return
                 down = went_down(job, target)
@@ -300,8 +310,8 @@ class JobRunner:
 
     def _retry_undo(self, job: FixJob) -> None:
         target = self.targets(job.engine)
-        while job.state == "reverting" and not self._stop.wait(self.revert_retry_s):
-            with self._engine_locks[job.engine]:
+        while job.state == "reverting" and not self.runner.stopping.wait(self.revert_retry_s):
+            with self.runner.engine_lock(job.engine):
                 job.undo_attempts += 1
                 try:
                     restored = self.undo(job, target)
@@ -312,6 +322,52 @@ class JobRunner:
                 self.end(job, job.undo_action, f"{job.message.split('; undo failed')[0]}; undone after "
                          f"{job.undo_attempts} retr{'y' if job.undo_attempts == 1 else 'ies'}: restored {restored}",
                          job.verdict)
+
+    # ------------------------------------------------------- bookkeeping
+
+    def record(self, job: FixJob, action: str, **fields: Any) -> AuditEntry:
+        with self.lock:
+            fields.setdefault("before", job.before)
+            fields.setdefault("after", job.after)
+            entry = self.count(self.audit.record(engine=job.engine, rule=job.rule, subject=job.subject, action=action,
+                                                 fix=job.fix, evidence_before=job.evidence_before, **fields))
+            job.entry_ids.append(entry.id)
+            self.save()
+            return entry
+
+    def end(self, job: FixJob, state: str, message: str, verdict: Verdict | None = None) -> AuditEntry:
+        with self.lock:
+            job.state, job.message, job.verdict = state, message, verdict  # type: ignore[assignment]
+            job.ended_at, job.phase = self.clock(), ""
+            self.settled[job.key] = job.fix
+            self.cooldown_until[job.key] = job.ended_at + self.cooldown_s
+            self.done.append(job.id)
+            while len(self.done) > DONE_KEPT:
+                self.tracked.pop(self.done.popleft(), None)
+            # A reverted job's "before" is what it undid (its after), as the audit always showed it.
+            undone = state in ("rolled_back", "reverted") or (state == "failed" and job.effective_at is not None)
+            before, after = (job.after, job.before) if undone else (job.before, job.after)
+            return self.record(job, state, message=message, verdict=verdict, before=before, after=after)
+
+    def save(self) -> None:
+        with self.lock:
+            pending = [j for j in self.tracked.values() if j.state in PENDING]
+            self.store.save(FixStateFile(jobs=pending, last_good=self.good))
+
+    def mark_good(self, engine: str, args: dict[str, Any]) -> None:
+        target = self.targets(engine)
+        configured = dict(target.managed.spec.args) if target.managed is not None else {}
+        with self.lock:
+            self.good[engine] = LastGood(config=configured, args=dict(args))
+
+    def last_good(self, engine: str) -> dict[str, Any] | None:
+        good = self.good.get(engine)
+        return dict(good.args) if good is not None else None
+
+    def count(self, entry: AuditEntry) -> AuditEntry:
+        key = (entry.engine, entry.rule, entry.action)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        return entry
 
 
 def went_down(job: FixJob, target: Target) -> str:

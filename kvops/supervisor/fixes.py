@@ -2,35 +2,30 @@
 did not help.
 
 Per rule the policy is `off` (ignore), `suggest` (record the proposal; a person applies it through the
-supervisor API) or `auto`. `consider` (the poll loop) only decides and enqueues: the job itself — the admin
-call or the managed restart, the windows, the verdict, the rollback — runs on the engine's worker thread
-(kvops.supervisor.fix_jobs), one job per engine at a time, then a cool-down per (rule, subject). Pending jobs
-and each managed engine's last good settings are persisted (kvops.supervisor.fix_state) and resumed after a
-supervisor restart. Every step goes to the audit log (kvops.supervisor.audit) with its numbers.
+supervisor API) or `auto`. `consider` (the poll loop) only decides and enqueues: the job's life itself — the
+admin call or the managed restart, the windows, the verdict, the rollback — is `FixJobs`'s
+(kvops.supervisor.fix_jobs), run on the engine's worker thread, one job per engine at a time, then a cool-down
+per (rule, subject). Pending jobs and each managed engine's last good settings are persisted
+(kvops.supervisor.fix_state) and resumed after a supervisor restart. Every step goes to the audit log
+(kvops.supervisor.audit) with its numbers.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvops.adapters.engine_client import EngineUnreachable
 from kvops.schema.admin import ADMIN_ACTIONS
 from kvops.schema.audit import AuditEntry
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind
-from kvops.schema.verdict import Verdict
 from kvops.supervisor.audit import AuditLog
-from kvops.supervisor.engine_client import EngineUnreachable
-from kvops.supervisor.fix_jobs import FixError, JobRunner, Judge, Target, real_judge
-from kvops.supervisor.fix_state import PENDING, FixJob, FixStateFile, FixStateStore, LastGood
+from kvops.supervisor.fix_jobs import FixError, FixJobs, Judge, Target, real_judge
 
 __all__ = ["FixError", "FixManager", "RevertPending", "Target"]
-
-DONE_KEPT = 50  # finished jobs kept for GET /api/fixes
 
 
 class RevertPending(FixError):
@@ -42,34 +37,51 @@ def _same_change(a: Fix | None, b: Fix | None) -> bool:
     return a is not None and b is not None and (a.kind, a.action, a.params) == (b.kind, b.action, b.params)
 
 
-class FixManager(JobRunner):
+class FixManager:
+    """What to fix and when (the policy), and what people ask of the jobs (apply, revert, list); the jobs
+    themselves, from queued to kept or rolled back, are `self.jobs`."""
+
     def __init__(self, audit: AuditLog, targets: Callable[[str], Target], verify_after_s: float,
                  state_path: Path | None = None, cooldown_s: float = 600.0, inconclusive: str = "rollback",
                  revert_retry_s: float = 10.0, judge: Judge = real_judge,
                  clock: Callable[[], float] = time.time) -> None:
-        self.audit = audit
-        self.targets = targets
-        self.verify_after_s = verify_after_s
-        self.cooldown_s = cooldown_s
-        self.inconclusive = inconclusive
-        self.revert_retry_s = revert_retry_s
-        self.judge = judge
-        self.clock = clock
-        self.store = FixStateStore(state_path)
-        self.jobs: dict[int, FixJob] = {}  # pending ones, and the last DONE_KEPT finished
-        self.done: deque[int] = deque()
+        self.verify_after_s = verify_after_s  # a job's window: each job keeps the one it was queued with
+        self.jobs = FixJobs(audit, targets, state_path, cooldown_s=cooldown_s, inconclusive=inconclusive,
+                            revert_retry_s=revert_retry_s, judge=judge, clock=clock)
         self.proposed: set[tuple[str, str, str]] = set()  # suggestions already recorded (until resolved)
-        # Judged fixes, until their diagnosis resolves: a kept fix is not applied again and a rolled-back
-        # one is not retried in a loop. A different fix for the same diagnosis may still be tried, after the cool-down.
-        self.settled: dict[tuple[str, str, str], Fix] = {}
-        self.cooldown_until: dict[tuple[str, str, str], float] = {}
-        self.counts: dict[tuple[str, str, str], int] = {}  # (engine, rule, action) -> how many
-        self.good: dict[str, LastGood] = {}
-        self._lock = threading.RLock()
-        self._queues: dict[str, deque[FixJob]] = {}
-        self._workers: dict[str, threading.Thread] = {}
-        self._engine_locks: dict[str, threading.Lock] = {}
-        self._stop = threading.Event()
+
+    # The jobs' collaborators and outcomes, as the supervisor, its exporter and the tests reach them.
+    @property
+    def audit(self) -> AuditLog:
+        return self.jobs.audit
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self.jobs.clock
+
+    @property
+    def counts(self) -> dict[tuple[str, str, str], int]:
+        return self.jobs.counts
+
+    @property
+    def cooldown_until(self) -> dict[tuple[str, str, str], float]:
+        return self.jobs.cooldown_until
+
+    @property
+    def judge(self) -> Judge:
+        return self.jobs.judge
+
+    @judge.setter
+    def judge(self, judge: Judge) -> None:
+        self.jobs.judge = judge
+
+    @property
+    def targets(self) -> Callable[[str], Target]:
+        return self.jobs.targets
+
+    @targets.setter
+    def targets(self, targets: Callable[[str], Target]) -> None:
+        self.jobs.targets = targets
 
     # ---------------------------------------------------------- lifecycle
 
@@ -77,18 +89,19 @@ class FixManager(JobRunner):
         """Before the managed engines start: load fix_jobs.json, put each managed engine on its last good settings
         (or on a verifying restart fix's), and queue the pending jobs again. `managed_args`: engine -> (its
         configured args, a setter for the args it starts with)."""
-        state = self.store.load()
+        jobs = self.jobs
+        state = jobs.store.load()
         for engine, (configured, set_args) in managed_args.items():
             good = state.last_good.get(engine)
             if good is not None and good.config == configured:  # a changed config wins over what kvops chose
-                self.good[engine] = good
+                jobs.good[engine] = good
                 set_args(dict(good.args))
         for job in state.jobs:
             managed = job.engine in managed_args
             if job.state == "applying":  # caught mid-change: back to the last good settings
                 if managed:  # the engine restarted with the supervisor, on the last good settings
-                    self._adopt(job)
-                    self.end(job, "failed", "interrupted while applying (the supervisor restarted): the engine "
+                    jobs.adopt(job)
+                    jobs.end(job, "failed", "interrupted while applying (the supervisor restarted): the engine "
                              "started again on its last good settings")
                     continue
                 job.state, job.undo_action = "reverting", "failed"
@@ -98,78 +111,63 @@ class FixManager(JobRunner):
                 if job.fix.kind is FixKind.RESTART:
                     managed_args[job.engine][1](dict(job.after))
             elif job.state == "reverting" and managed and job.fix.kind is FixKind.RESTART:
-                managed_args[job.engine][1](dict(self.last_good(job.engine) or job.before))
-            self._adopt(job)
-            self._queues.setdefault(job.engine, deque()).append(job)
-        self.save()
-
-    def _adopt(self, job: FixJob) -> None:
-        self.jobs[job.id] = job
-        self._engine_locks.setdefault(job.engine, threading.Lock())
+                managed_args[job.engine][1](dict(jobs.last_good(job.engine) or job.before))
+            jobs.adopt(job)
+            jobs.runner.enqueue(job)
+        jobs.save()
 
     def start(self) -> None:
-        for engine in list(self._queues):
-            self.wake(engine)
+        for engine in self.jobs.runner.engines():
+            self.jobs.runner.wake(engine)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Workers stop at their next tick; a restart in progress finishes first (joined up to the timeout)."""
-        self._stop.set()
-        for worker in list(self._workers.values()):
-            worker.join(timeout=timeout_s)
+        self.jobs.runner.stop(timeout_s)
 
     # -------------------------------------------------------------- policy
 
     def consider(self, diagnoses: list[Diagnosis], policy: Callable[[str], str]) -> None:
         """One evaluation's diagnoses: propose, or enqueue by policy. Never waits for a fix."""
-        with self._lock:
+        jobs = self.jobs
+        with jobs.lock:
             active = {d.key: d for d in diagnoses}
             self.proposed &= set(active)  # a resolved diagnosis may be proposed again if it comes back
-            self.settled = {key: fix for key, fix in self.settled.items() if key in active}
+            jobs.settled = {key: fix for key, fix in jobs.settled.items() if key in active}
             now = self.clock()
             for diagnosis in diagnoses:
                 rule_policy = policy(diagnosis.rule)
-                if (diagnosis.fix is None or rule_policy == "off" or self._pending_for(diagnosis.engine, diagnosis.key)
-                        or _same_change(self.settled.get(diagnosis.key), diagnosis.fix)):
+                if (diagnosis.fix is None or rule_policy == "off" or jobs.pending_for(diagnosis.engine, diagnosis.key)
+                        or _same_change(jobs.settled.get(diagnosis.key), diagnosis.fix)):
                     continue
                 if rule_policy == "auto" and diagnosis.fix.kind is not FixKind.REPORT:
-                    if self._pending_for(diagnosis.engine) or self.cooldown_until.get(diagnosis.key, 0.0) > now:
+                    if jobs.pending_for(diagnosis.engine) or jobs.cooldown_until.get(diagnosis.key, 0.0) > now:
                         continue  # one job per engine, or the verdicts get mixed up; then a cool-down
                     try:
                         self.apply(diagnosis)
                     except FixError:
-                        self.settled[diagnosis.key] = diagnosis.fix  # recorded as failed: not retried every poll
+                        jobs.settled[diagnosis.key] = diagnosis.fix  # recorded as failed: not retried every poll
                 elif diagnosis.key not in self.proposed:
                     self.proposed.add(diagnosis.key)
-                    self._count(self.audit.record(engine=diagnosis.engine, rule=diagnosis.rule,
-                                                  subject=diagnosis.subject, action="proposed", fix=diagnosis.fix,
-                                                  evidence_before=dict(diagnosis.evidence)))
-
-    def _pending_for(self, engine: str, key: tuple[str, str, str] | None = None) -> bool:
-        return any(j.state in PENDING and j.engine == engine and (key is None or j.key == key)
-                   for j in self.jobs.values())
+                    jobs.count(self.audit.record(engine=diagnosis.engine, rule=diagnosis.rule,
+                                                 subject=diagnosis.subject, action="proposed", fix=diagnosis.fix,
+                                                 evidence_before=dict(diagnosis.evidence)))
 
     def apply(self, diagnosis: Diagnosis) -> AuditEntry:
         """Queue a diagnosis's fix (policy auto, or a person through the API); returns the `queued` entry.
         FixError (recorded as failed) when kvops cannot apply it at all, or the engine has a job running."""
-        fix = diagnosis.fix
-        common = {"engine": diagnosis.engine, "rule": diagnosis.rule, "subject": diagnosis.subject, "fix": fix,
-                  "evidence_before": dict(diagnosis.evidence)}
-        with self._lock:
-            if self._pending_for(diagnosis.engine):
+        jobs = self.jobs
+        with jobs.lock:
+            if jobs.pending_for(diagnosis.engine):
                 raise FixError(f"engine {diagnosis.engine!r} has a fix job running: one at a time (GET /api/fixes)")
             problem = self._cannot_apply(diagnosis)
             if problem:
-                self._count(self.audit.record(action="failed", message=problem, **common))
+                jobs.count(self.audit.record(action="failed", message=problem, engine=diagnosis.engine,
+                                             rule=diagnosis.rule, subject=diagnosis.subject, fix=diagnosis.fix,
+                                             evidence_before=dict(diagnosis.evidence)))
                 raise FixError(problem)
-            entry = self._count(self.audit.record(action="queued", message=fix.description, **common))  # type: ignore[union-attr]
-            job = FixJob(id=entry.id, engine=diagnosis.engine, rule=diagnosis.rule, subject=diagnosis.subject,
-                         fix=fix, evidence_before=dict(diagnosis.evidence), queued_at=self.clock(),  # type: ignore[arg-type]
-                         window_s=self.verify_after_s, entry_ids=[entry.id], message="queued")
-            self._adopt(job)
+            entry = jobs.queue(diagnosis, self.verify_after_s)
             self.proposed.discard(diagnosis.key)
-            self._queues.setdefault(job.engine, deque()).append(job)
-            self.save()
-        self.wake(job.engine)
+        jobs.runner.wake(diagnosis.engine)
         return entry
 
     def _cannot_apply(self, diagnosis: Diagnosis) -> str:
@@ -194,86 +192,41 @@ class FixManager(JobRunner):
             return str(exc)
         return ""
 
-    # ---------------------------------------------------- job bookkeeping (called by the workers)
-
-    def record(self, job: FixJob, action: str, **fields: Any) -> AuditEntry:
-        with self._lock:
-            fields.setdefault("before", job.before)
-            fields.setdefault("after", job.after)
-            entry = self._count(self.audit.record(engine=job.engine, rule=job.rule, subject=job.subject, action=action,
-                                                  fix=job.fix, evidence_before=job.evidence_before, **fields))
-            job.entry_ids.append(entry.id)
-            self.save()
-            return entry
-
-    def end(self, job: FixJob, state: str, message: str, verdict: Verdict | None = None) -> AuditEntry:
-        with self._lock:
-            job.state, job.message, job.verdict = state, message, verdict  # type: ignore[assignment]
-            job.ended_at, job.phase = self.clock(), ""
-            self.settled[job.key] = job.fix
-            self.cooldown_until[job.key] = job.ended_at + self.cooldown_s
-            self.done.append(job.id)
-            while len(self.done) > DONE_KEPT:
-                self.jobs.pop(self.done.popleft(), None)
-            # A reverted job's "before" is what it undid (its after), as the audit always showed it.
-            undone = state in ("rolled_back", "reverted") or (state == "failed" and job.effective_at is not None)
-            before, after = (job.after, job.before) if undone else (job.before, job.after)
-            return self.record(job, state, message=message, verdict=verdict, before=before, after=after)
-
-    def save(self) -> None:
-        with self._lock:
-            pending = [j for j in self.jobs.values() if j.state in PENDING]
-            self.store.save(FixStateFile(jobs=pending, last_good=self.good))
-
-    def mark_good(self, engine: str, args: dict[str, Any]) -> None:
-        target = self.targets(engine)
-        configured = dict(target.managed.spec.args) if target.managed is not None else {}
-        with self._lock:
-            self.good[engine] = LastGood(config=configured, args=dict(args))
-
-    def last_good(self, engine: str) -> dict[str, Any] | None:
-        good = self.good.get(engine)
-        return dict(good.args) if good is not None else None
-
-    def _count(self, entry: AuditEntry) -> AuditEntry:
-        key = (entry.engine, entry.rule, entry.action)
-        self.counts[key] = self.counts.get(key, 0) + 1
-        return entry
-
     # -------------------------------------------------------------- people
 
     def revert(self, entry_id: int) -> AuditEntry:
         """Undo a fix on request (any of its audit entries' ids): first the undo, then the job is closed — so an
         undo that fails leaves the job tracked and retried (RevertPending), never dropped with the change in place."""
-        with self._lock:
-            job = next((j for j in self.jobs.values() if entry_id in j.entry_ids), None)
+        jobs = self.jobs
+        with jobs.lock:
+            job = next((j for j in jobs.tracked.values() if entry_id in j.entry_ids), None)
             if job is None or job.state in ("rolled_back", "failed", "reverted"):
                 raise FixError(f"no applied fix awaiting its verdict or kept has audit id {entry_id}")
             if job.state == "queued":
-                self._queues.get(job.engine, deque()).remove(job)
-                return self.end(job, "reverted", f"cancelled by request (audit entry {entry_id}) before it was applied")
+                jobs.runner.dequeue(job)
+                return jobs.end(job, "reverted", f"cancelled by request (audit entry {entry_id}) before it was applied")
             if job.state in ("applying", "reverting"):
                 raise FixError(f"the fix is {job.state} ({job.progress(self.clock())}): revert once it is verifying")
-        with self._engine_locks[job.engine]:  # the worker judges under it: no verdict in the middle of a revert
+        with jobs.runner.engine_lock(job.engine):  # the worker judges under it: no verdict in the middle of a revert
             if job.state not in ("verifying", "verified"):
                 raise FixError(f"the fix is {job.state} now: nothing to revert")
             was_done = job.state == "verified"
             message = f"reverted by request (audit entry {entry_id})"
             try:
-                restored = self.undo(job, self.targets(job.engine))
+                restored = jobs.undo(job, self.targets(job.engine))
             except (EngineUnreachable, FixError) as exc:
-                with self._lock:
+                with jobs.lock:
                     if was_done:  # the worker let go of it: queue it again for the retries
-                        self.done.remove(job.id)
-                        self._queues.setdefault(job.engine, deque()).append(job)
-                    self.pend_undo(job, "reverted", message)
-                self.wake(job.engine)
+                        jobs.done.remove(job.id)
+                        jobs.runner.enqueue(job)
+                    jobs.pend_undo(job, "reverted", message)
+                jobs.runner.wake(job.engine)
                 raise RevertPending(f"could not reach engine {job.engine!r} to revert: {exc}; kvops retries the "
-                                    f"revert every {self.revert_retry_s:g} s (GET /api/fixes, the audit log)") from None
-            with self._lock:
+                                    f"revert every {jobs.revert_retry_s:g} s (GET /api/fixes, the audit log)") from None
+            with jobs.lock:
                 if was_done:
-                    self.done.remove(job.id)
-                return self.end(job, "reverted", f"{message}: restored {restored}", job.verdict)
+                    jobs.done.remove(job.id)
+                return jobs.end(job, "reverted", f"{message}: restored {restored}", job.verdict)
 
     def snapshot(self) -> list[dict[str, Any]]:
         return [json.loads(e.model_dump_json()) for e in self.audit.entries]
@@ -281,6 +234,5 @@ class FixManager(JobRunner):
     def job_views(self) -> list[dict[str, Any]]:
         """GET /api/fixes: every pending job and the last finished ones, oldest first."""
         now = self.clock()
-        with self._lock:
-            return [job.view(now) for job in sorted(self.jobs.values(), key=lambda j: j.id)]
-
+        with self.jobs.lock:
+            return [job.view(now) for job in sorted(self.jobs.tracked.values(), key=lambda j: j.id)]

@@ -6,7 +6,7 @@ exponential backoff. Too many exits in a window is a crash loop: it stops restar
 so, rather than spinning. The child dies with the supervisor (PR_SET_PDEATHSIG on Linux), so a
 killed supervisor leaves no orphan engine behind; it runs in a process group of its own, which is
 killed whole once the engine has exited, so helpers it forked (vLLM's engine core) go with it. What differs by kind (the
-command, the client, the names of settings) is its launcher (kvops.supervisor.launchers).
+command, the client, the names of settings) is its launcher (its kind's module in kvops.kinds).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import IO, Any
 
 import structlog
 
+from kvops.adapters.engine_client import EngineClient, EngineUnreachable
+from kvops.history import EngineHistory
+from kvops.kinds.launch import launcher_for
 from kvops.processes import die_with_parent, free_port
 from kvops.schema.engines import EngineExit, LogLine
 from kvops.supervisor.config import EngineSpec
-from kvops.supervisor.engine_client import EngineClient, EngineUnreachable
-from kvops.supervisor.history import EngineHistory
-from kvops.supervisor.launchers import launcher_for
 
 log = structlog.get_logger("kvops.supervisor.engine")
 

@@ -19,8 +19,8 @@ from typing import Literal
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvops.supervisor.engine_client import EngineClient, EngineUnreachable
-from kvops.supervisor.history import EngineHistory
+from kvops.adapters.engine_client import EngineClient, EngineUnreachable
+from kvops.history import EngineHistory
 
 log = structlog.get_logger("kvops.supervisor.probes")
 

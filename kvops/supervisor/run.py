@@ -29,26 +29,21 @@ def config_from_args(args: argparse.Namespace) -> KvopsConfig:
     return config
 
 
-def check_managed_vllm(config: KvopsConfig, source: str, flags: bool) -> None:
-    """Each managed vLLM: its interpreter has vLLM and (flags) every setting in its args is a flag of that
-    vLLM. ConfigError (one line, exit 2) naming the engine and what to do."""
-    from kvops.engine.errors import ConfigError
-    from kvops.vllm.flags import installed_flags, require_vllm, resolve_python, with_drain
+def check_managed_engines(config: KvopsConfig, source: str, flags: bool) -> None:
+    """Each managed engine whose kind checks its install before a start (a vLLM: its interpreter has vLLM and,
+    with flags, every setting in its args is a flag of that vLLM). ConfigError (one line, exit 2) naming the
+    engine and what to do."""
+    from kvops.kinds import managed_profile
+    from kvops.schema.errors import ConfigError
 
     for index, spec in enumerate(config.engines):
-        if not spec.managed or spec.kind != "vllm":
+        preflight = managed_profile(spec.kind).preflight if spec.managed else None
+        if preflight is None:
             continue
-        where = f"{source}: engines[{index}] ({spec.name})"
-        python = resolve_python(spec.python)
         try:
-            location = require_vllm(python, spec.args)
-            if flags:
-                asked = installed_flags(python, location, say=lambda text: print(text, file=sys.stderr, flush=True))
-                problem = asked.problem(with_drain(spec.args, spec.drain_timeout_s))
-                if problem:
-                    raise ConfigError(problem)
+            preflight(spec, flags)
         except ConfigError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
+            raise ConfigError(f"{source}: engines[{index}] ({spec.name}): {exc}") from None
 
 
 def warn_disabled_receivers(config: KvopsConfig, source: str) -> list[str]:
@@ -65,7 +60,7 @@ def warn_disabled_receivers(config: KvopsConfig, source: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     source = args.config or "config"
-    check_managed_vllm(config, source, flags=args.check_config)
+    check_managed_engines(config, source, flags=args.check_config)
     disabled = warn_disabled_receivers(config, source)
     if args.check_config:
         engines = ", ".join(f"{e.name} ({'managed' if e.managed else e.url})" for e in config.engines)

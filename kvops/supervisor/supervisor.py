@@ -23,17 +23,18 @@ from typing import Any
 
 import structlog
 
-from kvops.adapters import WatchedEngineClient
+from kvops.adapters.engine_client import EngineClient, EngineUnreachable
 from kvops.adapters.plausibility import problems
 from kvops.alerting import Alerter
+from kvops.history import EngineHistory, HealthSample, at_start
+from kvops.kinds import Capability, profile_of
+from kvops.kinds.client import WatchedEngineClient
 from kvops.rules import evaluate_all
 from kvops.schema.diagnosis import Diagnosis, Severity
 from kvops.supervisor.audit import AuditLog
 from kvops.supervisor.config import EngineSpec, KvopsConfig
-from kvops.supervisor.engine_client import EngineClient, EngineUnreachable
 from kvops.supervisor.fix_jobs import real_judge
 from kvops.supervisor.fixes import FixManager, Target
-from kvops.supervisor.history import EngineHistory, HealthSample, at_start
 from kvops.supervisor.hysteresis import Hysteresis
 from kvops.supervisor.managed_engine import ManagedEngine
 from kvops.supervisor.probes import ProbeRefused, Probes
@@ -92,7 +93,7 @@ class Supervisor:
                 state = EngineState(spec, history, managed.client(), probes, managed)
             else:
                 token = _env(spec.admin_token_env)
-                # Any server: kvops engines through /stats, vLLM and SGLang through /metrics (kvops.adapters).
+                # Any server: kvops engines through /stats, the other kinds through /metrics (kvops.kinds).
                 state = EngineState(spec, history, WatchedEngineClient(str(spec.url), spec.kind, token), probes)
             self.engines[spec.name] = state
         self.hysteresis = Hysteresis(config.clear_for_s)
@@ -234,7 +235,7 @@ class Supervisor:
             state.history.add(at_start(snap))
         state.history.add(snap)
         self._check_data(state)
-        if snap.source != "kvops":
+        if not profile_of(snap).can(Capability.PROFILES):
             return  # the profiles are kvops admin endpoints
         self._schedule_probes(state, snap.engine.kv_cache_dtype != snap.engine.dtype,
                               snap.requests.finished_total, now)
@@ -264,7 +265,7 @@ class Supervisor:
         """On demand: measure the engine's decode step at other block sizes now. ProbeRefused says why not."""
         state = self.engines[engine]
         latest = state.history.latest
-        if latest is None or latest.source != "kvops":
+        if latest is None or not profile_of(latest).can(Capability.PROFILES):
             raise ProbeRefused(f"{engine}: the block-size profile is a kvops engine's admin call "
                                f"({'no snapshot yet' if latest is None else f'this is {latest.source}'})")
         state.probes.request_block_size(state.url, state.client.admin_token)

@@ -105,7 +105,7 @@ def _setup(args: argparse.Namespace, venv: Path) -> int:
     print(f"{status.describe()} ({time.monotonic() - started:.0f} s)")
     model: Path | None = None
     if not args.skip_model:
-        from kvops.engine.errors import EngineError
+        from kvops.schema.errors import EngineError
 
         began = time.monotonic()
         try:

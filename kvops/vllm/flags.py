@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvops.engine.config import parse_bytes
-from kvops.engine.errors import ConfigError
+from kvops.schema.errors import ConfigError
 from kvops.vllm.install import SETUP_COMMAND, default_venv_dir, neutral_cwd, venv_python
 from kvops.vllm.launch import ServerSettings
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import quote
 
+from kvops.adapters.http_client import HttpClient, HttpError, Reply
 from kvops.schema.admin import ADMIN_ACTIONS
 from kvops.schema.reports import BlockSizeProfile, KVQuantProfile
 from kvops.schema.snapshot import STEPS_KEPT_HEADER, Snapshot, StepSample
-from kvops.supervisor.http_client import HttpClient, HttpError, Reply
 
 
 class EngineUnreachable(Exception):

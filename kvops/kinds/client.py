@@ -1,7 +1,7 @@
-"""Watching an engine kvops does not run, whatever it is: a kvops engine (read from `/stats`), or vLLM /
-SGLang (read from `/metrics` through the adapters). Same interface as `EngineClient`, so the supervisor
-polls them alike; kvops's admin API exists only on kvops engines, so admin calls to the others are
-refused with the reason."""
+"""Watching an engine kvops does not run, whatever its kind: a kvops engine (read whole from `/stats`), or
+another server (read from `/metrics` through its kind's module). Same interface as `EngineClient`, so the
+supervisor polls them alike; kvops's admin API exists only where the kind's profile says so, so admin calls
+to the others are refused with the reason."""
 
 from __future__ import annotations
 
@@ -9,21 +9,34 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvops.adapters.detect import detect_flavour, snapshot_from_scrape
+from kvops.adapters.engine_client import EngineClient, EngineUnreachable
 from kvops.adapters.prometheus import Scrape, ScrapeError
-from kvops.schema.kinds import WATCH_KINDS, EngineKind
+from kvops.kinds import AUTO, PROFILES, Capability, EngineProfile, detect, kinds, profile, snapshot_from_scrape
 from kvops.schema.reports import BlockSizeProfile, KVQuantProfile
 from kvops.schema.snapshot import Snapshot
-from kvops.supervisor.engine_client import EngineClient, EngineUnreachable
+
+
+def _listed(words: list[str], last: str) -> str:
+    return f"{', '.join(words[:-1])} {last} {words[-1]}" if len(words) > 1 else "".join(words)
+
+
+def unrecognised(url: str) -> str:
+    """Why a server that answers is not one kvops reads: the kinds it knows, and what some need turned on."""
+    titles = [p.title for p in PROFILES.values()]
+    # The kinds whose /metrics is off unless started with a flag (their note "enable_metrics" names it).
+    switched = [p for p in PROFILES.values() if "enable_metrics" in p.notes]
+    needs = (f" ({_listed([p.title for p in switched], 'and')} need{'s' if len(switched) == 1 else ''} metrics "
+             f"enabled: {'; '.join(p.notes['enable_metrics'] for p in switched)})") if switched else ""
+    return f"{url} answers, but neither /metrics nor /v1/models looks like a {_listed(titles, 'or')} server{needs}"
 
 
 class WatchedEngineClient(EngineClient):
     def __init__(self, url: str, kind: str = "auto", admin_token: str | None = None, timeout_s: float = 5.0,
                  clock: Callable[[], float] = time.time) -> None:
-        if kind not in WATCH_KINDS:
-            raise ValueError(f"engine kind {kind!r} is not one of {', '.join(WATCH_KINDS)}")
+        if kind != AUTO and kind not in kinds():
+            raise ValueError(f"engine kind {kind!r} is not one of {', '.join((AUTO, *kinds()))}")
         super().__init__(url, admin_token, timeout_s)
-        self.flavour: EngineKind | None = None if kind == "auto" else kind  # type: ignore[assignment]
+        self.kind: str | None = None if kind == AUTO else kind
         self.clock = clock
         self.first_seen: float | None = None  # uptime fallback when the scrape has no process start time
         self._models: dict[str, Any] | None = None
@@ -43,28 +56,26 @@ class WatchedEngineClient(EngineClient):
             return None
         return body if isinstance(body, dict) else None
 
-    def detect(self) -> EngineKind:
+    def detect(self) -> EngineProfile:
         """Which server this is; raises EngineUnreachable when it answers but is not one kvops reads."""
-        if self.flavour is None:
+        if self.kind is None:
             failure: EngineUnreachable | None = None
             try:
                 scrape: Scrape | None = self.scrape()
             except EngineUnreachable as exc:
                 scrape, failure = None, exc
             self._models = self.models()
-            flavour = detect_flavour(scrape, self._models)
-            if flavour is None and self._models is None and failure is not None:
+            found = detect(scrape, self._models)
+            if found is None and self._models is None and failure is not None:
                 raise failure  # no answer, or an error status: say that, not "it answers but is something else"
-            if flavour is None:
-                raise EngineUnreachable(f"{self.url} answers, but neither /metrics nor /v1/models looks like a "
-                                        "kvops, vLLM or SGLang server (vLLM and SGLang need metrics enabled: "
-                                        "SGLang's --enable-metrics)")
-            self.flavour = flavour
-        return self.flavour
+            if found is None:
+                raise EngineUnreachable(unrecognised(self.url))
+            self.kind = found.kind
+        return profile(self.kind)
 
     def snapshot(self) -> Snapshot:
-        flavour = self.detect()
-        if flavour == "kvops":
+        kind = self.detect()
+        if kind.can(Capability.STATS):
             return super().snapshot()
         scrape = self.scrape()
         if self._models is None:
@@ -72,7 +83,7 @@ class WatchedEngineClient(EngineClient):
         now = self.clock()
         if self.first_seen is None:
             self.first_seen = now
-        return snapshot_from_scrape(flavour, scrape, now, self._models, self.first_seen)
+        return snapshot_from_scrape(kind.kind, scrape, now, self._models, self.first_seen)
 
     def health(self) -> dict[str, Any]:
         response = self._request("GET", "/health")
@@ -84,24 +95,24 @@ class WatchedEngineClient(EngineClient):
 
     # --------------------------------------------------------------- admin
 
-    def _kvops_only(self, what: str) -> None:
-        flavour = self.detect()
-        if flavour != "kvops":
-            raise EngineUnreachable(f"{what} needs kvops's admin API, which a {flavour} server does not have: "
-                                    f"change the {flavour} server's flags by hand")
+    def _needs(self, capability: Capability, what: str) -> None:
+        kind = self.detect()
+        if not kind.can(capability):
+            raise EngineUnreachable(f"{what} needs kvops's admin API, which a {kind.kind} server does not have: "
+                                    f"change the {kind.kind} server's flags by hand")
 
     def knobs(self) -> dict[str, Any]:
-        self._kvops_only("reading the knobs")
+        self._needs(Capability.ADMIN_API, "reading the knobs")
         return super().knobs()
 
     def admin(self, action: str, params: dict[str, Any]) -> dict[str, Any]:
-        self._kvops_only(f"{action} {params}")
+        self._needs(Capability.ADMIN_API, f"{action} {params}")
         return super().admin(action, params)
 
     def kv_quant_profile(self, timeout_s: float = 120.0) -> KVQuantProfile:
-        self._kvops_only("the KV quantization error profile")
+        self._needs(Capability.PROFILES, "the KV quantization error profile")
         return super().kv_quant_profile(timeout_s)
 
     def block_size_profile(self, timeout_s: float = 120.0) -> BlockSizeProfile:
-        self._kvops_only("the block-size profile")
+        self._needs(Capability.PROFILES, "the block-size profile")
         return super().block_size_profile(timeout_s)

@@ -19,12 +19,23 @@ the budget's unused remainder. The scrape does not say whether vLLM runs on a CP
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kvops.adapters import common
 from kvops.adapters.names import MetricSource, Reader, ranks, table
 from kvops.adapters.prometheus import Scrape
+from kvops.kinds.launch import Launch
+from kvops.kinds.profile import Capability, EngineProfile, Recognition, Remedy
 from kvops.schema.snapshot import Snapshot
+
+if TYPE_CHECKING:
+    from kvops.adapters.engine_client import EngineClient
+    from kvops.supervisor.config import EngineSpec
+
+KIND = "vllm"
 
 V1 = "the V1 engine (vLLM 0.8 and later)"
 METRICS = table(
@@ -70,7 +81,7 @@ def _int_label(scrape: Scrape, name: str, label: str) -> int | None:
 
 def snapshot_from_vllm(scrape: Scrape, t: float, model_card: dict[str, Any] | None = None,
                        started_at: float | None = None) -> Snapshot:
-    data = common.neutral_for("vllm", scrape, t, model_card, "vllm:num_requests_running")
+    data = common.neutral_for(KIND, scrape, t, model_card, "vllm:num_requests_running")
     read = Reader(scrape, data, METRICS)
     _pool(read, model_card)
     _requests(read)
@@ -183,3 +194,106 @@ def _prefix_cache(read: Reader) -> None:
     for field in ("prefix_cache.window_hit_rate", "prefix_cache.evictions_total", "prefix_cache.normalization",
                   "prefix_cache.shadow_hit_rate", "prefix_cache.potential_hit_rate"):
         read.unknown(field)
+
+
+# The block sizes vLLM takes. Its CPU attention needs a multiple of 32 (`--block-size 16` fails with "No common
+# block size for 16"); kvops proposes the powers of two among them. Its GPU kernels take 8, 16 and 32.
+CPU_BLOCK_SIZES = (32, 64, 128, 256)
+GPU_BLOCK_SIZES = (8, 16, 32)
+# vLLM compiles at its first start (~4 min on 2 cores), ~1 min later.
+HEALTH_TIMEOUT_S = 600.0
+
+
+class VllmLauncher:
+    """vLLM's OpenAI server (kvops.vllm.launch) from the configured interpreter, read from /metrics through
+    this module like a watched vLLM; it has no kvops admin API, so it gets no admin token."""
+
+    kind = KIND
+    tail_streams = ("stdout", "stderr")  # vLLM logs to stdout
+
+    def __init__(self, spec: EngineSpec) -> None:
+        from kvops.vllm.flags import resolve_python  # runs the interpreter: kept out of the rules' imports
+
+        self.python: Path = resolve_python(spec.python)
+
+    def launch(self, spec: EngineSpec, port: int, args: Mapping[str, Any], admin_token: str) -> Launch:
+        from kvops.vllm.flags import server_settings, with_drain
+        from kvops.vllm.install import neutral_cwd
+        from kvops.vllm.launch import server_argv, server_env
+
+        settings = server_settings(with_drain(args, spec.drain_timeout_s), spec.host, port)
+        env = {**server_env(settings), "PYTHONUNBUFFERED": "1"}
+        return Launch(server_argv(self.python, settings), env, str(neutral_cwd()))
+
+    def client(self, url: str, admin_token: str | None) -> EngineClient:
+        from kvops.kinds.client import WatchedEngineClient
+
+        return WatchedEngineClient(url, KIND)
+
+    def with_settings(self, args: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
+        from kvops.vllm.flags import args_for_fix
+
+        return args_for_fix(args, params)
+
+
+def check_args(value: dict[str, Any]) -> dict[str, Any]:
+    """[engines.args]: vLLM's flags in snake_case (checked against the installed vLLM by `kvops run
+    --check-config`, which asks its interpreter: `preflight`)."""
+    from kvops.vllm.flags import check_args as check_vllm_args
+
+    return check_vllm_args(value)
+
+
+def preflight(spec: EngineSpec, flags: bool) -> None:
+    """The engine's interpreter has vLLM and (flags) every setting in its args is a flag of that vLLM;
+    ConfigError says what to do."""
+    from kvops.schema.errors import ConfigError
+    from kvops.vllm.flags import installed_flags, require_vllm, resolve_python, with_drain
+
+    python = resolve_python(spec.python)
+    location = require_vllm(python, spec.args)
+    if flags:
+        asked = installed_flags(python, location, say=lambda text: print(text, file=sys.stderr, flush=True))
+        problem = asked.problem(with_drain(spec.args, spec.drain_timeout_s))
+        if problem:
+            raise ConfigError(problem)
+
+
+PROFILE = EngineProfile(
+    kind=KIND,
+    title="vLLM",
+    recognition=Recognition(metric_prefixes=("vllm:",), owned_by=("vllm",)),
+    read_scrape=snapshot_from_vllm,
+    metrics=METRICS,
+    flags={"enable_prefix_caching": "--enable-prefix-caching", "block_size": "--block-size"},
+    remedies={
+        Remedy.QUEUEING: "raise --max-num-seqs and --max-num-batched-tokens, and keep chunked prefill on "
+                         "(--enable-chunked-prefill) so long prompts do not hold the queue",
+        Remedy.LONG_PROMPTS: "cap them (--max-model-len), or route long prompts to their own engine",
+        Remedy.PREFIX_CACHING_ON: "restart with --enable-prefix-caching",
+        Remedy.POOL_SIZE_LOG: "vLLM: 'GPU KV cache size'",
+        Remedy.START: "vllm serve MODEL --port {port}",
+        Remedy.CAPACITY: "lower --max-num-seqs{to_fit} (requests queue instead of preempting each other), or enlarge "
+                         "the KV pool: {pool}",
+    },
+    # SWAP: the V0 engine only (V1 recomputes). KV_EVENTS: vLLM 0.9 and later, with --kv-events-config.
+    capabilities=frozenset({Capability.MANAGED, Capability.PREEMPTION_COUNTER, Capability.SWAP,
+                            Capability.KV_EVENTS}),
+    # The scrape does not say CPU or GPU: without a device, the sizes both take.
+    block_sizes=tuple(sorted(set(CPU_BLOCK_SIZES) & set(GPU_BLOCK_SIZES))),
+    block_sizes_by_device={"cpu": CPU_BLOCK_SIZES, "cuda": GPU_BLOCK_SIZES},
+    launcher=VllmLauncher,
+    check_args=check_args,
+    health_timeout_s=HEALTH_TIMEOUT_S,
+    interpreter=True,
+    preflight=preflight,
+    notes={
+        # Its KV pool flag depends on the device, which its scrape does not show: named for the device the
+        # snapshot knows, else for both.
+        "kv_pool_flag_cpu": "--kv-cache-memory-bytes (or VLLM_CPU_KVCACHE_SPACE, in GiB)",
+        "kv_pool_flag_cuda": "--gpu-memory-utilization (or --kv-cache-memory-bytes)",
+        "kv_pool_flag": "on CPU --kv-cache-memory-bytes or VLLM_CPU_KVCACHE_SPACE (GiB), on GPU "
+                        "--gpu-memory-utilization",
+        "no_swap_metric": "V1 recomputes preempted requests instead",  # nothing to swap: no metric to ask for
+    },
+)

@@ -16,7 +16,10 @@ from typing import Any
 from kvops.adapters import common
 from kvops.adapters.names import MetricSource, Reader, ranks, table
 from kvops.adapters.prometheus import Scrape
+from kvops.kinds.profile import EngineProfile, Recognition, Remedy
 from kvops.schema.snapshot import Snapshot
+
+KIND = "sglang"
 
 NEWER = "SGLang 0.4 and later"
 METRICS = table(
@@ -49,7 +52,7 @@ FIRST_ERA = ("sglang:num_requests_running", "sglang:queue_req", "sglang:new_seq"
 
 def snapshot_from_sglang(scrape: Scrape, t: float, model_card: dict[str, Any] | None = None,
                          started_at: float | None = None) -> Snapshot:
-    data = common.neutral_for("sglang", scrape, t, model_card, "sglang:token_usage")
+    data = common.neutral_for(KIND, scrape, t, model_card, "sglang:token_usage")
     read = Reader(scrape, data, METRICS)
     usage_name = read.name("blocks.usage")
     usage = scrape.mean(usage_name) if usage_name else None
@@ -120,3 +123,26 @@ def _prefix_cache(read: Reader) -> None:
     for field in ("prefix_cache.evictions_total", "prefix_cache.normalization", "prefix_cache.shadow_hit_rate",
                   "prefix_cache.potential_hit_rate"):
         read.unknown(field)
+
+
+PROFILE = EngineProfile(
+    kind=KIND,
+    title="SGLang",
+    recognition=Recognition(metric_prefixes=("sglang:",), owned_by=("sglang",)),
+    read_scrape=snapshot_from_sglang,
+    metrics=METRICS,
+    remedies={
+        Remedy.QUEUEING: "raise --max-running-requests, and --chunked-prefill-size so queued prompts are prefilled "
+                         "faster",
+        Remedy.LONG_PROMPTS: "cap them (--context-length), or route long prompts to their own engine",
+        Remedy.PREFIX_CACHING_ON: "restart without --disable-radix-cache",
+        Remedy.POOL_SIZE_LOG: "SGLang: 'max_total_num_tokens'",
+        Remedy.START: "python -m sglang.launch_server --model-path MODEL --port {port} --enable-metrics",
+        Remedy.CAPACITY: "lower --max-running-requests or raise --mem-fraction-static for a larger KV pool",
+    },
+    # The radix cache is token-granular: no block size to propose. It retracts requests without a counter.
+    capabilities=frozenset(),
+    notes={"enable_metrics": "SGLang's --enable-metrics",
+           "metrics_off": "for SGLang start it with --enable-metrics",
+           "no_preemption_counter": "SGLang retracts requests without a counter"},
+)
