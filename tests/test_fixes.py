@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -91,6 +92,23 @@ def test_fix_that_does_not_help_is_rolled_back(tmp_path: Path, client: EngineCli
     assert rolled.after == {"normalize_prompts": "off"} and rolled.message.startswith("no_effect")
     assert client.knobs()["normalize_prompts"] == "off"
     assert fixes.counts[("default", "prompt_variance", "rolled_back")] == 1
+
+
+def test_an_audit_entry_is_counted_before_anyone_can_see_it(tmp_path: Path, client: EngineClient):
+    # A reader of the audit log (the API, the test above) may look at the counts the moment an entry appears:
+    # CI once saw `rolled_back` in the log and no count for it yet.
+    fixes = _manager(tmp_path, client, VerdictKind.NO_EFFECT)
+    write = fixes.audit.record
+    counted_when_written: list[int] = []
+
+    def record(**fields: Any) -> Any:
+        counted_when_written.append(fixes.counts.get((fields["engine"], fields["rule"], fields["action"]), 0))
+        return write(**fields)
+
+    fixes.audit.record = record  # type: ignore[method-assign]
+    fixes.consider([_diagnosis(0.2, NORMALIZE)], AUTO)
+    assert _settled(fixes) == "rolled_back"
+    assert len(counted_when_written) == 4 and min(counted_when_written) == 1, counted_when_written
 
 
 def test_inconclusive_is_extended_once_then_the_policy_decides(tmp_path: Path, client: EngineClient):

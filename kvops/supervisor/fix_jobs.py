@@ -100,9 +100,8 @@ class FixJobs:
         """A fix kvops can apply, on an engine with no job pending (the caller checked both, under the lock):
         its `queued` entry, then behind the engine's worker (the caller wakes it once the lock is let go)."""
         fix: Fix = diagnosis.fix  # type: ignore[assignment]
-        entry = self.count(self.audit.record(action="queued", message=fix.description, engine=diagnosis.engine,
-                                             rule=diagnosis.rule, subject=diagnosis.subject, fix=fix,
-                                             evidence_before=dict(diagnosis.evidence)))
+        entry = self.audited(action="queued", message=fix.description, engine=diagnosis.engine, rule=diagnosis.rule,
+                             subject=diagnosis.subject, fix=fix, evidence_before=dict(diagnosis.evidence))
         job = FixJob(id=entry.id, engine=diagnosis.engine, rule=diagnosis.rule, subject=diagnosis.subject,
                      fix=fix, evidence_before=dict(diagnosis.evidence), queued_at=self.clock(),
                      window_s=window_s, entry_ids=[entry.id], message="queued")
@@ -329,8 +328,8 @@ class FixJobs:
         with self.lock:
             fields.setdefault("before", job.before)
             fields.setdefault("after", job.after)
-            entry = self.count(self.audit.record(engine=job.engine, rule=job.rule, subject=job.subject, action=action,
-                                                 fix=job.fix, evidence_before=job.evidence_before, **fields))
+            entry = self.audited(engine=job.engine, rule=job.rule, subject=job.subject, action=action, fix=job.fix,
+                                 evidence_before=job.evidence_before, **fields)
             job.entry_ids.append(entry.id)
             self.save()
             return entry
@@ -364,10 +363,13 @@ class FixJobs:
         good = self.good.get(engine)
         return dict(good.args) if good is not None else None
 
-    def count(self, entry: AuditEntry) -> AuditEntry:
-        key = (entry.engine, entry.rule, entry.action)
-        self.counts[key] = self.counts.get(key, 0) + 1
-        return entry
+    def audited(self, **fields: Any) -> AuditEntry:
+        """An audit entry, counted before it is written: whoever sees the entry (the API, a test polling the
+        log) sees its count too."""
+        key = (fields["engine"], fields["rule"], fields["action"])
+        with self.lock:
+            self.counts[key] = self.counts.get(key, 0) + 1
+        return self.audit.record(**fields)
 
 
 def went_down(job: FixJob, target: Target) -> str:

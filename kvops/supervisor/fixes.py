@@ -148,9 +148,8 @@ class FixManager:
                         jobs.settled[diagnosis.key] = diagnosis.fix  # recorded as failed: not retried every poll
                 elif diagnosis.key not in self.proposed:
                     self.proposed.add(diagnosis.key)
-                    jobs.count(self.audit.record(engine=diagnosis.engine, rule=diagnosis.rule,
-                                                 subject=diagnosis.subject, action="proposed", fix=diagnosis.fix,
-                                                 evidence_before=dict(diagnosis.evidence)))
+                    jobs.audited(engine=diagnosis.engine, rule=diagnosis.rule, subject=diagnosis.subject,
+                                 action="proposed", fix=diagnosis.fix, evidence_before=dict(diagnosis.evidence))
 
     def apply(self, diagnosis: Diagnosis) -> AuditEntry:
         """Queue a diagnosis's fix (policy auto, or a person through the API); returns the `queued` entry.
@@ -161,9 +160,8 @@ class FixManager:
                 raise FixError(f"engine {diagnosis.engine!r} has a fix job running: one at a time (GET /api/fixes)")
             problem = self._cannot_apply(diagnosis)
             if problem:
-                jobs.count(self.audit.record(action="failed", message=problem, engine=diagnosis.engine,
-                                             rule=diagnosis.rule, subject=diagnosis.subject, fix=diagnosis.fix,
-                                             evidence_before=dict(diagnosis.evidence)))
+                jobs.audited(action="failed", message=problem, engine=diagnosis.engine, rule=diagnosis.rule,
+                             subject=diagnosis.subject, fix=diagnosis.fix, evidence_before=dict(diagnosis.evidence))
                 raise FixError(problem)
             entry = jobs.queue(diagnosis, self.verify_after_s)
             self.proposed.discard(diagnosis.key)
