@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import httpx
 import pytest
 import torch
 from alerting_outbox import Receiver
@@ -105,14 +103,12 @@ def shared_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One `kvops engine serve` (64 MiB of KV, max_model_len 1024, no tokens) for the tests that only send it
     requests and read their own answers (test_bench's compare, test_loadgen), instead of one per file: an engine
     start is ~5-8 s of both CPUs here. Yields its base URL."""
-    from kvops.processes import free_port
+    from kvops.processes import free_port, start_engine_server, wait_healthy
 
     port = free_port()
     log_path = tmp_path_factory.mktemp("shared-engine") / "engine.log"
     with log_path.open("wb") as log:  # a file, not a pipe nobody reads: a long session's log would fill a pipe
-        proc = subprocess.Popen([sys.executable, "-m", "kvops", "engine", "serve", "--port", str(port),
-                                 "--kv-cache-memory", "64MiB", "--max-model-len", "1024"],
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = start_engine_server(port, ["--kv-cache-memory", "64MiB", "--max-model-len", "1024"], log)
 
     def stop() -> None:
         proc.send_signal(signal.SIGTERM)
@@ -125,17 +121,7 @@ def shared_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     _STOPS["shared_engine"] = stop
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"engine exited {proc.returncode}: {log_path.read_text(errors='replace')[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "engine did not become healthy in 180 s"
-            time.sleep(0.3)
+        wait_healthy(url, proc, 180, "the shared engine", log_path)
         yield url
     finally:
         if _STOPS.pop("shared_engine", None):
