@@ -57,6 +57,15 @@ class Reader:
             self.problem(f"{name} = {value:g}: negative, which a count or a fraction cannot be")
         return value
 
+    def counts(self, *fields: str) -> None:
+        """Each field's value, rounded to a whole count, into its place in the snapshot ("requests.running" ->
+        data["requests"]["running"]); an absent one stays unknown."""
+        for field in fields:
+            value = self.value(field)
+            if value is not None:
+                section, key = field.split(".")
+                self.data[section][key] = round(value)
+
     def note(self, field: str, *names: str) -> None:
         """Record metrics read for a field outside the table's lookups (labels of an info metric, ...)."""
         self.read.setdefault(field, []).extend(n for n in names if n not in self.read.get(field, []))

@@ -58,12 +58,8 @@ def snapshot_from_llamacpp(scrape: Scrape, t: float, model_card: dict[str, Any] 
     common.read_max_model_len(data, model_card)
     for field in NEVER:
         read.unknown(field)
-    requests = data["requests"]
-    for field in ("requests.running", "requests.waiting", "requests.prompt_tokens_total",
-                  "requests.generation_tokens_total"):
-        value = read.value(field)
-        if value is not None:
-            requests[field.split(".")[1]] = round(value)
+    read.counts("requests.running", "requests.waiting", "requests.prompt_tokens_total",
+                "requests.generation_tokens_total")
     _generation_seconds(read)
     data["process"]["gpu_status"] = "not reported by llama-server"
     return common.finish(data, started_at)

@@ -71,11 +71,8 @@ def snapshot_from_sglang(scrape: Scrape, t: float, model_card: dict[str, Any] | 
         read.unknown(field)  # preemptions: SGLang retracts requests without a counter in these versions
 
     requests = data["requests"]
-    for field in ("requests.running", "requests.waiting", "requests.finished_total", "requests.aborted_total",
-                  "requests.prompt_tokens_total", "requests.generation_tokens_total"):
-        value = read.value(field)
-        if value is not None:
-            requests[field.split(".")[1]] = round(value)
+    read.counts("requests.running", "requests.waiting", "requests.finished_total", "requests.aborted_total",
+                "requests.prompt_tokens_total", "requests.generation_tokens_total")
 
     if "requests.aborted_total" not in data["unknown"] and "requests.finished_total" not in data["unknown"]:
         # SGLang's num_requests_total counts every request that ended, aborted ones too (its 0.4.9 scrape: 157

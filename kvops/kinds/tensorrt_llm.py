@@ -171,11 +171,8 @@ def _serve(read: Reader) -> None:
     else:
         read.note("engine.max_num_seqs", "trtllm_max_num_active_requests")
         data["engine"]["max_num_seqs"] = round(most)
-    for field in ("requests.running", "requests.waiting", "requests.prompt_tokens_total",
-                  "requests.generation_tokens_total"):
-        value = read.value(field)
-        if value is not None:
-            requests[field.split(".")[1]] = round(value)
+    read.counts("requests.running", "requests.waiting", "requests.prompt_tokens_total",
+                "requests.generation_tokens_total")
     name = next((n for n in METRICS["requests.finished_total"].names[1:] if scrape.has(n)), None)
     by_reason = scrape.by_label(name, "finished_reason") if name else {}
     if name is None:

@@ -57,11 +57,8 @@ def snapshot_from_tgi(scrape: Scrape, t: float, model_card: dict[str, Any] | Non
     for field in NEVER:
         read.unknown(field)
     requests = data["requests"]
-    for field in ("requests.running", "requests.waiting", "requests.finished_total",
-                  "requests.prompt_tokens_total", "requests.generation_tokens_total"):
-        value = read.value(field)
-        if value is not None:
-            requests[field.split(".")[1]] = round(value)
+    read.counts("requests.running", "requests.waiting", "requests.finished_total", "requests.prompt_tokens_total",
+                "requests.generation_tokens_total")
     failed = read.value("requests.aborted_total")
     if failed is not None:
         requests["aborted_total"] = round(failed)

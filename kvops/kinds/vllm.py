@@ -137,11 +137,8 @@ def _pool(read: Reader, model_card: dict[str, Any] | None) -> None:
 
 def _requests(read: Reader) -> None:
     requests = read.data["requests"]
-    for field in ("requests.running", "requests.waiting", "requests.preemptions_total",
-                  "requests.prompt_tokens_total", "requests.generation_tokens_total"):
-        value = read.value(field)
-        if value is not None:
-            requests[field.split(".")[1]] = round(value)
+    read.counts("requests.running", "requests.waiting", "requests.preemptions_total", "requests.prompt_tokens_total",
+                "requests.generation_tokens_total")
     # Finished requests by reason: V1 counts aborts (and errors) there, a series at 0 until one happens; V0 has
     # neither. Aborted or failed requests are counted apart from the ones that finished.
     name = read.name("requests.finished_total")
