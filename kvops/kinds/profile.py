@@ -32,8 +32,6 @@ class Capability(StrEnum):
     LIVE_NORMALIZATION = "live_normalization"  # prompt normalization switched live
     MANAGED = "managed"  # kvops can start, restart with new settings and drain it
     KV_EVENTS = "kv_events"  # publishes KV cache events (block stored / removed)
-    SWAP = "swap"  # can swap KV blocks to host memory (so a swap counter can exist)
-    PREEMPTION_COUNTER = "preemption_counter"  # counts preempted (retracted) requests
     # Stores KV in kvops's own dtypes (int8, int4, fp8 with scales): doctor checks the dtype works on its device.
     KV_QUANTIZATION = "kv_quantization"
 

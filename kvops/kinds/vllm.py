@@ -273,9 +273,8 @@ PROFILE = EngineProfile(
         Remedy.CAPACITY: "lower --max-num-seqs{to_fit} (requests queue instead of preempting each other), or enlarge "
                          "the KV pool: {pool}",
     },
-    # SWAP: the V0 engine only (V1 recomputes). KV_EVENTS: vLLM 0.9 and later, with --kv-events-config.
-    capabilities=frozenset({Capability.MANAGED, Capability.PREEMPTION_COUNTER, Capability.SWAP,
-                            Capability.KV_EVENTS}),
+    # KV_EVENTS: vLLM 0.9 and later, with --kv-events-config.
+    capabilities=frozenset({Capability.MANAGED, Capability.KV_EVENTS}),
     # The scrape does not say CPU or GPU: without a device, the sizes both take.
     block_sizes=tuple(sorted(set(CPU_BLOCK_SIZES) & set(GPU_BLOCK_SIZES))),
     block_sizes_by_device={"cpu": CPU_BLOCK_SIZES, "cuda": GPU_BLOCK_SIZES},
