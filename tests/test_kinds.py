@@ -15,6 +15,7 @@ from kvops.adapters import common
 from kvops.adapters.names import MetricSource, Reader, table
 from kvops.adapters.prometheus import Scrape
 from kvops.cli import main
+from kvops.doctor.liveness import not_a_server_remedy
 from kvops.history import EngineHistory
 from kvops.kinds import (
     AUTO,
@@ -174,6 +175,10 @@ def test_what_kvops_manages_and_what_the_kinds_say_of_themselves():
     assert profile("sglang").flag("enable_prefix_caching") == "enable_prefix_caching"  # as kvops has said so far
     assert unrecognised("http://h:1").startswith("http://h:1 answers, but neither /metrics nor /v1/models looks "
                                                  "like a kvops, vLLM, SGLang")
+    # One note per kind says how to turn its /metrics on; the watcher's error and doctor's remedy both word it.
+    assert "SGLang's --enable-metrics; llama.cpp's --metrics" in unrecognised("http://h:1")
+    assert not_a_server_remedy().endswith("for SGLang start it with --enable-metrics, and for llama.cpp start it "
+                                           "with --metrics")
 
 
 # ------------------------------------------------------------------ rules and doctor never name a kind

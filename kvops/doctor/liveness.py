@@ -17,7 +17,7 @@ from kvops.adapters.engine_client import EngineUnreachable
 from kvops.doctor.report import Check, Status
 from kvops.doctor.validator import Examined
 from kvops.kinds import PROFILES, Capability, Remedy, detect, model_card, profile
-from kvops.kinds.client import WatchedEngineClient
+from kvops.kinds.client import ENABLE_METRICS, WatchedEngineClient, metrics_switches
 from kvops.schema.reports import BlockSizeProfile, KVQuantProfile
 from kvops.schema.snapshot import Snapshot
 
@@ -42,10 +42,10 @@ def _start_commands(port: int) -> str:
                      if p.remedy(Remedy.START))
 
 
-def _not_a_server_remedy() -> str:
+def not_a_server_remedy() -> str:
     """Check the port, and turn metrics on where a kind exports none by default."""
     return ", and ".join(["check the port (the engine's --port)",
-                          *(p.notes["metrics_off"] for p in PROFILES.values() if "metrics_off" in p.notes)])
+                          *(f"for {p.title} start it with {p.notes[ENABLE_METRICS]}" for p in metrics_switches())])
 
 
 @dataclass
@@ -108,7 +108,7 @@ def probe(url: str, timeout_s: float) -> Probe:
                 evidence=f"something answers at {url} but it is not an inference engine: GET /health → "
                          f"{health.status_code} {content}; /metrics has no {known_prefixes()} metrics and "
                          "/v1/models names no model",
-                remedy=_not_a_server_remedy()))
+                remedy=not_a_server_remedy()))
             return result
         result.checks.append(_health_check(url, health, health_ms))
         if health.status_code == 200:

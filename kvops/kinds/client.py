@@ -20,13 +20,22 @@ def _listed(words: list[str], last: str) -> str:
     return f"{', '.join(words[:-1])} {last} {words[-1]}" if len(words) > 1 else "".join(words)
 
 
+# A profile's note naming the flag without which its server exports no /metrics.
+ENABLE_METRICS = "enable_metrics"
+
+
+def metrics_switches() -> list[EngineProfile]:
+    """The kinds whose /metrics is off unless started with a flag (their note ENABLE_METRICS names it)."""
+    return [p for p in PROFILES.values() if ENABLE_METRICS in p.notes]
+
+
 def unrecognised(url: str) -> str:
     """Why a server that answers is not one kvops reads: the kinds it knows, and what some need turned on."""
     titles = [p.title for p in PROFILES.values()]
-    # The kinds whose /metrics is off unless started with a flag (their note "enable_metrics" names it).
-    switched = [p for p in PROFILES.values() if "enable_metrics" in p.notes]
+    switched = metrics_switches()
+    flags = "; ".join(f"{p.title}'s {p.notes[ENABLE_METRICS]}" for p in switched)
     needs = (f" ({_listed([p.title for p in switched], 'and')} need{'s' if len(switched) == 1 else ''} metrics "
-             f"enabled: {'; '.join(p.notes['enable_metrics'] for p in switched)})") if switched else ""
+             f"enabled: {flags})") if switched else ""
     return f"{url} answers, but neither /metrics nor /v1/models looks like a {_listed(titles, 'or')} server{needs}"
 
 

@@ -98,5 +98,5 @@ PROFILE = EngineProfile(
     },
     # A watched server only: no admin API, no preemption counter, no swap, no KV events.
     capabilities=frozenset(),
-    notes={"enable_metrics": "llama-server's --metrics", "kv_pool_flag": "--ctx-size"},
+    notes={"enable_metrics": "--metrics", "kv_pool_flag": "--ctx-size"},
 )

@@ -139,7 +139,6 @@ PROFILE = EngineProfile(
     },
     # The radix cache is token-granular: no block size to propose. It retracts requests without a counter.
     capabilities=frozenset(),
-    notes={"enable_metrics": "SGLang's --enable-metrics",
-           "metrics_off": "for SGLang start it with --enable-metrics",
+    notes={"enable_metrics": "--enable-metrics",
            "no_preemption_counter": "SGLang retracts requests without a counter"},
 )
