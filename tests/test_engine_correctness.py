@@ -82,3 +82,16 @@ def test_chunked_prefill_keeps_outputs_exact(chat_prompts, hf_greedy):
     outputs = llm.generate(chat_prompts[:6], GREEDY)
     assert _mismatches([o.token_ids for o in outputs], hf_greedy[:6]) == []
     assert max(s.num_tokens for s in llm.engine.stats.steps) <= 24
+
+
+@pytest.mark.slow
+def test_the_recorded_reference_is_what_transformers_gives_today(llm, chat_prompts):
+    """The recording hf_greedy reads (tests/fixtures/hf-greedy/) against a live transformers run, with its key."""
+    import json
+
+    from conftest import HF_GREEDY_FILE, hf_greedy_live, hf_reference_key
+
+    stored = json.loads(HF_GREEDY_FILE.read_text())
+    assert stored["key"] == hf_reference_key(), "recorded with another model or versions: KVOPS_RECORD_REFERENCE=1"
+    assert stored["prompts"] == chat_prompts
+    assert stored["outputs"] == hf_greedy_live(llm, chat_prompts)

@@ -26,7 +26,13 @@ from kvops.vllm.install import (
     venv_python,
 )
 from kvops.vllm.launch import ServerSettings, server_argv, server_env
-from kvops.vllm.model_export import EXPORT_DIR_NAME, MARKER, export_default_model, export_is_complete
+from kvops.vllm.model_export import (
+    EXPORT_DIR_NAME,
+    MARKER,
+    default_model_dir,
+    export_default_model,
+    export_is_complete,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm-cpu"
 STATES = ("idle", "loaded", "pressure", "no-prefix-caching", "bs128-short")
@@ -151,6 +157,12 @@ def test_server_command_and_environment(tmp_path):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> Path:
+    """The export `kvops vllm setup` made with this same function (CI's install step runs it), read as users get
+    it, rather than a second ~25 s export; where setup has not run, a fresh export into a temporary directory.
+    The tests only read it."""
+    made = default_model_dir()
+    if export_is_complete(made):
+        return made
     return export_default_model(cache_dir=tmp_path_factory.mktemp("cache"))
 
 
