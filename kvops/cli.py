@@ -92,6 +92,10 @@ def _bench(argv: list[str]) -> int:
         from kvops.bench import side_by_side
 
         return side_by_side.main(argv[1:])
+    if argv[:1] == ["events"]:
+        from kvops.bench import events as bench_events
+
+        return bench_events.main(argv[1:])
     if argv[:1] == ["load"]:
         from kvops import loadgen
 
@@ -177,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "an engine (`kvops bench load --help`), compare servers side by side with the same "
                         "requests (`kvops bench compare --help`), or start kvops and vLLM-CPU and reproduce every "
                         "number of the comparison (`kvops bench vs-vllm --help`), or see where a step's time goes "
-                        "(`kvops bench profile --help`)",
+                        "(`kvops bench profile --help`), or how fast the KV event index takes vLLM's events "
+                        "(`kvops bench events --help`)",
                         add_help=False)
     return parser
 

@@ -188,6 +188,9 @@ def shared_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
                      "args": {"block_size": 128, "kv_cache_memory": "256MiB", "max_model_len": 1024,
                               "enforce_eager": True},
                      "restart": {"initial_backoff_s": 0.5}}],
+        # test_vllm_live_events's loads last seconds, not the minutes the default windows read.
+        "rules": {"prefix_cache_thrash": {"settings": {"window_s": 60}},
+                  "low_hit_cause": {"settings": {"window_s": 30}}},
     }, "test")
     served = Served(config, "secret")
 
@@ -198,6 +201,9 @@ def shared_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
     served.thread.start()
     started = time.monotonic()
+    # vLLM's development endpoints (POST /reset_prefix_cache, which test_vllm_live_events calls): for this test
+    # vLLM only, never one kvops starts for a user. vLLM inherits the environment of this process.
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"
     served.sup.start()
     _STOPS["shared_vllm"] = stop
     try:
@@ -233,4 +239,3 @@ def utc() -> Iterator[None]:
     else:
         os.environ["TZ"] = before
     time.tzset()
-

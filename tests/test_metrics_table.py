@@ -70,6 +70,9 @@ NOT_EXPORTED = {
     "ranks", "steps",  # other servers' ranks; the step series is /stats only
     "process.gpus.*.index", "process.gpus.*.name",  # the GPU series' labels
     "process.gpus.*.memory_kvops_source", "process.gpus.*.utilization_known",  # no series when not known
+    # the KV event view: the supervisor exports what it reads of the stream itself (exporter._event_families)
+    "kv_events",
+    "residency",  # vLLM's own --kv-cache-metrics histograms, which it exports itself
 }
 
 

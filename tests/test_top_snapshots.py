@@ -8,9 +8,6 @@ They are tied to the Textual version pinned in the test extras.
 
 from __future__ import annotations
 
-import os
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,17 +19,7 @@ from kvops.top.app import KvopsTop
 SIZE = (160, 50)
 
 
-@pytest.fixture(autouse=True)
-def utc() -> Iterator[None]:
-    before = os.environ.get("TZ")
-    os.environ["TZ"] = "UTC"
-    time.tzset()
-    yield
-    if before is None:
-        os.environ.pop("TZ")
-    else:
-        os.environ["TZ"] = before
-    time.tzset()
+pytestmark = pytest.mark.usefixtures("utc")  # the clock the screens show: tests/conftest.py
 
 
 def app() -> KvopsTop:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from kvops.doctor.report import Check, Status
 from kvops.history import EngineHistory, at_start
 from kvops.kinds import Capability, Remedy, profile, profile_of
-from kvops.rules import RULES, evaluate_all, kv_oom_runtime, prompt_variance
+from kvops.rules import RULES, evaluate_all, kv_oom_runtime, low_hit_cause, prompt_variance
 from kvops.rules.block_size_waste import CAPACITY_SUBJECT
 from kvops.rules.common import capacity_fix, reclaimable_blocks
 from kvops.schema.diagnosis import Diagnosis, Severity
@@ -63,6 +63,21 @@ def _block_size_fix(diagnosis: Diagnosis, snap: Snapshot) -> str:
     return diagnosis.fix.description.removeprefix("drain and ") if diagnosis.fix else ""
 
 
+def _reuse_capacity(diagnosis: Diagnosis, snap: Snapshot) -> str:
+    """A pool too small for the reuse distance (thrash, eviction before reuse): the kind's capacity remedy and the
+    pool the reused blocks need."""
+    text, needed = external_capacity(snap, diagnosis.evidence), diagnosis.evidence.get("needed_blocks")
+    return f"{text}; the pool needs ~{needed} blocks to keep the reused ones" if text and needed else text
+
+
+def _low_hit_fix(diagnosis: Diagnosis, snap: Snapshot) -> str:
+    """By cause: the pool or the block size in the kind's flags; "" for the causes whose fix is advice."""
+    cause = diagnosis.evidence.get("cause")
+    if cause == low_hit_cause.EVICTION_BEFORE_REUSE:
+        return _reuse_capacity(diagnosis, snap)
+    return _block_size_fix(diagnosis, snap) if cause == low_hit_cause.SHORT_PROMPTS else ""
+
+
 ExternalRemedy = Callable[[Diagnosis, Snapshot], str]
 # A server without kvops's admin API: the remedies in its own flags, by rule.
 EXTERNAL_REMEDIES: dict[str, ExternalRemedy] = {
@@ -72,6 +87,8 @@ EXTERNAL_REMEDIES: dict[str, ExternalRemedy] = {
     "prompt_variance": lambda d, s: prompt_variance.EXTERNAL_ADVICE,
     "prefix_caching_off": lambda d, s: profile_of(s).remedy(Remedy.PREFIX_CACHING_ON),
     "block_size_mismatch": _block_size_fix,
+    "prefix_cache_thrash": _reuse_capacity,
+    "low_hit_cause": _low_hit_fix,
 }
 
 

@@ -6,7 +6,8 @@ import enum
 
 from pydantic import BaseModel, Field
 
-SECTIONS = ("Environment", "Configuration", "Liveness", "Metrics data", "Cache health", "Traffic")
+SECTIONS = ("Environment", "Configuration", "Liveness", "Metrics data", "Cache health", "KV cache events",
+            "Traffic")
 
 
 class Status(enum.StrEnum):

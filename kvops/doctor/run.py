@@ -7,15 +7,20 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from kvops.adapters import Scrape, ScrapeError
+from kvops.doctor.events import DEFAULT_WINDOW_S
 from kvops.doctor.liveness import known_prefixes
 from kvops.doctor.render import render_json, render_text
 from kvops.doctor.report import Report
 from kvops.doctor.sections import SECTIONS
 from kvops.doctor.validator import Examined, run_sections
 from kvops.kinds import detect, kinds, profile, snapshot_from_scrape
+
+if TYPE_CHECKING:
+    from kvops.doctor.events import Listening
 
 LOCAL_CONFIG = "kvops.toml"
 
@@ -34,6 +39,15 @@ def add_doctor_args(parser: argparse.ArgumentParser) -> None:
                         help="time-to-first-token SLO: flag a p95 above it (rule latency_slo)")
     parser.add_argument("--itl-slo", type=_seconds, metavar="SECONDS",
                         help="inter-token latency SLO: flag a p95 above it (rule latency_slo)")
+    events = parser.add_argument_group("KV cache events (with --url: a vLLM started with --kv-events-config)")
+    events.add_argument("--events", metavar="ENDPOINT",
+                        help="its publisher's endpoint, exactly as in its --kv-events-config (tcp://*:5557, "
+                             "tcp://HOST:PORT or ipc:///PATH): doctor listens, and reports the stream and the blocks")
+    events.add_argument("--events-replay", metavar="ENDPOINT", help="its replay_endpoint: what is resident is read at "
+                        "once, and missed batches are asked again")
+    events.add_argument("--events-topic", metavar="TOPIC", default="", help="its topic (default: vLLM's, \"\")")
+    events.add_argument("--events-window", metavar="SECONDS", type=_seconds, default=DEFAULT_WINDOW_S,
+                        help="how long to listen (default: %(default)s)")
     parser.add_argument("-v", "--verbose", action="store_true", help="show the detail behind each line")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--timeout", type=float, default=5.0,
@@ -52,7 +66,7 @@ def _seconds(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (e.g. 2 or 0.05)") from None
     if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: an SLO must be more than 0 seconds")
+        raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0 seconds")
     return value
 
 
@@ -78,6 +92,9 @@ def diagnose(args: argparse.Namespace) -> Report:
     """Pick the target, read what can be read up front (a scrape, a config), then run every section."""
     examined = Examined(timeout_s=args.timeout, admin_token=args.admin_token, kv_quant=args.kv_quant,
                         slo=_slo(args))
+    if getattr(args, "events", None) is not None and not args.url:
+        return Report(target="KV cache events", could_not_check="--events listens to the KV events of the engine "
+                                                                 "given by --url: add --url http://HOST:PORT")
     if args.metrics_file:
         report = _metrics_file(examined, Path(args.metrics_file))
     elif args.url:
@@ -97,9 +114,25 @@ def diagnose(args: argparse.Namespace) -> Report:
         _load_config(report, examined, LOCAL_CONFIG if Path(LOCAL_CONFIG).is_file() else None)
     if report.could_not_check and args.metrics_file:
         return report
-    run_sections(report, examined, SECTIONS)
+    examined.events = _listen(args, examined)
+    try:
+        run_sections(report, examined, SECTIONS)
+    finally:
+        if examined.events is not None:
+            examined.events.close()
     report.kind = examined.kind
     return report
+
+
+def _listen(args: argparse.Namespace, examined: Examined) -> Listening | None:
+    """Subscribe to the engine's KV events before the sections run, so that the window overlaps their work."""
+    endpoint = getattr(args, "events", None)
+    if endpoint is None or examined.url is None:
+        return None
+    from kvops.doctor.events import listen
+
+    return listen(endpoint, args.events_replay, args.events_topic, args.events_window,
+                  urlparse(examined.url).hostname or "127.0.0.1")
 
 
 def _load_config(report: Report, examined: Examined, path: str | None) -> None:

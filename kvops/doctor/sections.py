@@ -12,6 +12,7 @@ from __future__ import annotations
 from kvops.doctor import cache, configuration, data_quality, environment, liveness, traffic
 from kvops.doctor.cache import cache_checks
 from kvops.doctor.data_quality import data_checks
+from kvops.doctor.events import KvEvents
 from kvops.doctor.metrics_read import attach_metrics
 from kvops.doctor.report import Check, Status
 from kvops.doctor.traffic import traffic_checks
@@ -128,5 +129,6 @@ class Traffic:
         return _read(traffic_checks(examined.snaps, examined.diagnoses), examined) if examined.snaps else []
 
 
+# KvEvents runs last: it waits out the window it listens for (--events), which the sections before it overlap.
 SECTIONS: tuple[Section, ...] = (MachineEnvironment(), StaticConfiguration(), Liveness(), EngineDevice(),
-                                 MetricsData(), EngineConfiguration(), CacheHealth(), Traffic())
+                                 MetricsData(), EngineConfiguration(), CacheHealth(), Traffic(), KvEvents())

@@ -20,6 +20,7 @@ from kvops.doctor.report import Check, Report, Status
 
 if TYPE_CHECKING:
     from kvops.adapters.prometheus import Scrape
+    from kvops.doctor.events import Listening
     from kvops.schema.diagnosis import Diagnosis
     from kvops.schema.reports import BlockSizeProfile, KVQuantProfile
     from kvops.schema.snapshot import Snapshot
@@ -45,6 +46,7 @@ class Examined:
     admin_token: str | None = None
     kv_quant: bool = False  # also take the KV quantization error profile
     slo: dict[str, dict[str, float]] = field(default_factory=dict)  # rule settings by rule id (latency SLOs)
+    events: Listening | None = None  # the engine's KV event stream doctor listens to (--events)
     # What reading the target found.
     kind: str | None = None
     scrape: Scrape | None = None

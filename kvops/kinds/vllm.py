@@ -19,6 +19,7 @@ the budget's unused remainder. The scrape does not say whether vLLM runs on a CP
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,11 +34,18 @@ from kvops.schema.snapshot import Snapshot
 
 if TYPE_CHECKING:
     from kvops.adapters.engine_client import EngineClient
+    from kvops.events.endpoint import EventSource
     from kvops.supervisor.config import EngineSpec
+
+log = logging.getLogger(__name__)
 
 KIND = "vllm"
 
 V1 = "the V1 engine (vLLM 0.8 and later)"
+# Sampled block residency (kv_cache_metrics.py): a share of blocks (--kv-cache-metrics-sample, 1% by default) is
+# followed from allocation to eviction.
+RESIDENCY_FLAG = "recent vLLM (0.32 has them) started with --kv-cache-metrics"
+RESIDENCY_FIELDS = ("lifetime_s", "idle_before_evict_s", "reuse_gap_s")
 METRICS = table(
     MetricSource("blocks.usage", ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"), "every vLLM version"),
     MetricSource("engine.num_blocks", ("vllm:cache_config_info",), "vLLM 0.4 and later"),
@@ -62,6 +70,9 @@ METRICS = table(
     MetricSource("itl", ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
                  "every vLLM version (inter_token_latency from 0.11)"),
     MetricSource("swap", ("vllm:num_requests_swapped",), "the V0 engine only (V1 recomputes, it never swaps)"),
+    MetricSource("residency.lifetime_s", ("vllm:kv_block_lifetime_seconds",), RESIDENCY_FLAG),
+    MetricSource("residency.idle_before_evict_s", ("vllm:kv_block_idle_before_evict_seconds",), RESIDENCY_FLAG),
+    MetricSource("residency.reuse_gap_s", ("vllm:kv_block_reuse_gap_seconds",), RESIDENCY_FLAG),
 )
 CONFIG = "vllm:cache_config_info"
 UNFINISHED = ("abort", "error")  # finish reasons of requests that did not get their answer
@@ -87,6 +98,7 @@ def snapshot_from_vllm(scrape: Scrape, t: float, model_card: dict[str, Any] | No
     _requests(read)
     _prefix_cache(read)
     common.read_histograms(read, ("prompt_lengths", "generation_lengths", "ttft", "itl"))
+    _residency(read)
     read.unknown("engine.max_num_seqs")
     read.unknown("engine.max_num_batched_tokens")
     read.unknown("engine.dtype")
@@ -99,6 +111,19 @@ def snapshot_from_vllm(scrape: Scrape, t: float, model_card: dict[str, Any] | No
     data["ranks"] = [r.model_dump() for r in ranks(scrape, read.name("blocks.usage"), "vllm:num_requests_running",
                                                   "vllm:num_requests_waiting")]
     return common.finish_from_process(data, scrape, started_at)
+
+
+def _residency(read: Reader) -> None:
+    """vLLM's own block residency histograms (--kv-cache-metrics) into `residency`. Absent (the flag is off, or
+    an older vLLM), `residency` stays None, which already says "not reported": nothing is marked unknown."""
+    found: dict[str, Any] = {}
+    for field in RESIDENCY_FIELDS:
+        name = read.name(f"residency.{field}")
+        parsed = read.scrape.histogram(name) if name else None
+        if parsed is not None:
+            found[field] = common.histogram_json(parsed)
+    if found:
+        read.data["residency"] = found
 
 
 def _pool(read: Reader, model_card: dict[str, Any] | None) -> None:
@@ -212,15 +237,48 @@ class VllmLauncher:
         from kvops.vllm.flags import resolve_python  # runs the interpreter: kept out of the rules' imports
 
         self.python: Path = resolve_python(spec.python)
+        # Whether this vLLM has KV cache events: asked at the first start that needs it (None: not yet).
+        self.kv_events_supported: bool | None = None
+
+    def event_source(self, spec: EngineSpec) -> EventSource | None:
+        """Where kvops reads this vLLM's KV events (spec.event_source: kvops's own unix sockets by default), or
+        None: off, or kvops would add them and this vLLM is older than the events. A --kv-events-config of the
+        user's own (args.kv_events_config) goes to vLLM as given, whatever its version."""
+        from kvops.vllm.launch import KV_EVENTS_KEY
+
+        source = spec.event_source()
+        if source is None or KV_EVENTS_KEY in spec.args:
+            return source
+        if self.kv_events_supported is None:
+            self.kv_events_supported = has_kv_events(self.python, spec.args)
+            if not self.kv_events_supported:
+                log.warning("the vLLM of %s has no --kv-events-config (vLLM 0.9.0 and later): engine %s runs without "
+                            "KV cache events, so kvops draws no block map for it", self.python, spec.name)
+        return source if self.kv_events_supported else None
 
     def launch(self, spec: EngineSpec, port: int, args: Mapping[str, Any], admin_token: str) -> Launch:
         from kvops.vllm.flags import server_settings, with_drain
         from kvops.vllm.install import neutral_cwd
         from kvops.vllm.launch import server_argv, server_env
 
-        settings = server_settings(with_drain(args, spec.drain_timeout_s), spec.host, port)
+        settings = server_settings(with_drain(self._with_events(spec, args), spec.drain_timeout_s), spec.host, port)
         env = {**server_env(settings), "PYTHONUNBUFFERED": "1"}
         return Launch(server_argv(self.python, settings), env, str(neutral_cwd()))
+
+    def _with_events(self, spec: EngineSpec, args: Mapping[str, Any]) -> dict[str, Any]:
+        """The args with kvops's --kv-events-config added where kvops reads the events and the args do not say."""
+        from kvops.vllm.launch import KV_EVENTS_KEY, KvEventsEndpoints, kv_events_config, prepare_ipc_dirs
+
+        source = self.event_source(spec)
+        if source is None or KV_EVENTS_KEY in args:
+            return dict(args)
+        endpoints = KvEventsEndpoints(source.endpoint, source.replay_endpoint, source.topic)
+        try:
+            prepare_ipc_dirs(endpoints)
+        except OSError as exc:  # the engine still starts: kvops shows its event stream as stale
+            log.warning("vLLM %s starts without KV cache events: %s", spec.name, exc)
+            return dict(args)
+        return {**args, KV_EVENTS_KEY: kv_events_config(endpoints)}
 
     def client(self, url: str, admin_token: str | None) -> EngineClient:
         from kvops.kinds.client import WatchedEngineClient
@@ -231,6 +289,21 @@ class VllmLauncher:
         from kvops.vllm.flags import args_for_fix
 
         return args_for_fix(args, params)
+
+
+def has_kv_events(python: Path, args: Mapping[str, Any]) -> bool:
+    """Whether the vLLM of `python` has --kv-events-config (vLLM 0.9.0 and later): in its flags as `kvops run
+    --check-config` reads them (asked once per installation, then cached). True when kvops cannot tell."""
+    from kvops.schema.errors import ConfigError
+    from kvops.vllm.flags import installed_flags, require_vllm
+    from kvops.vllm.launch import KV_EVENTS_FLAG
+
+    try:
+        flags = installed_flags(python, require_vllm(python, args), say=log.info)
+    except (ConfigError, OSError, ValueError, KeyError) as exc:
+        log.info("cannot tell whether the vLLM of %s has KV cache events (%s): assuming it does", python, exc)
+        return True
+    return KV_EVENTS_FLAG in flags.flags
 
 
 def check_args(value: dict[str, Any]) -> dict[str, Any]:
@@ -273,7 +346,7 @@ PROFILE = EngineProfile(
         Remedy.CAPACITY: "lower --max-num-seqs{to_fit} (requests queue instead of preempting each other), or enlarge "
                          "the KV pool: {pool}",
     },
-    # KV_EVENTS: vLLM 0.9 and later, with --kv-events-config.
+    # KV_EVENTS: vLLM 0.9.0 and later, with --kv-events-config (a managed one gets it: VllmLauncher.event_source).
     capabilities=frozenset({Capability.MANAGED, Capability.KV_EVENTS}),
     # The scrape does not say CPU or GPU: without a device, the sizes both take.
     block_sizes=tuple(sorted(set(CPU_BLOCK_SIZES) & set(GPU_BLOCK_SIZES))),

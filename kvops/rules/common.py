@@ -1,6 +1,6 @@
 """What the rules share: the settings bases, "is there enough data", building a diagnosis, and the
 small measurements several rules make (reclaimable blocks, prefix-cache lookups, the engine's GPU,
-recent decode steps, the capacity fix).
+recent decode steps, the capacity fix, the KV event view over a window).
 
 Every helper is a pure function of snapshots; none reads the clock.
 """
@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvops.history import EngineHistory, Getter
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
+from kvops.schema.kv_events import KvEventStats
 from kvops.schema.snapshot import GpuStats, Histogram, Snapshot, StepSample, histogram_since
 
 Evidence = dict[str, float | int | str | bool | None]
@@ -338,3 +339,78 @@ def _capacity_fix(latest: Snapshot, blocks_per_seq: float, target_usage: float,
     return Fix(kind=FixKind.RESTART, action="restart_engine", params={"kv_cache_memory": budget_bytes},
                description=f"{reason}: restart with kv_cache_memory={budget_bytes} bytes ({budget_blocks} blocks, "
                            f"+{extra_bytes} bytes; check the device has that memory free)"), numbers
+
+
+# ------------------------------------------------------------------ the KV event view (Snapshot.kv_events)
+
+
+def usable_events(snap: Snapshot) -> KvEventStats | None:
+    """The snapshot's KV event view when it describes the cache: read, not stale (the engine died or the stream
+    stopped while prompts were admitted), and without a stream error. None otherwise: a rule then says nothing
+    from the events."""
+    events = snap.kv_events
+    if events is None or events.stream.stale or events.stream.error:
+        return None
+    return events
+
+
+def events_span(history: EngineHistory, latest: Snapshot, settings: WindowRuleSettings) -> float | None:
+    """The settings' window, clipped to the engine run and to the snapshots that all carry the KV event view (a
+    snapshot without it would read as a counter reset), or None when the latest view is unusable or the
+    snapshots are too few or too bunched."""
+    if usable_events(latest) is None:
+        return None
+    return covered_steady_span(history, latest, settings, lambda snap: snap.kv_events is not None)
+
+
+def events_delta(history: EngineHistory, span: float, get: Callable[[KvEventStats], float]) -> float:
+    """A cumulative KV event counter's increase over `span` (an events_span: every snapshot in it has the view)."""
+    return history.delta(lambda snap: get(snap.kv_events) if snap.kv_events is not None else 0.0, span) or 0.0
+
+
+def histogram_share_below(hist: Histogram, bound: float) -> float | None:
+    """The share of a histogram's observations surely below `bound`: those in buckets whose upper bound is
+    under it (a bucket straddling it is not counted). None for an empty histogram."""
+    if hist.count <= 0:
+        return None
+    below = sum(count for upper, count in zip(hist.buckets, hist.counts, strict=False) if upper < bound)
+    return below / hist.count
+
+
+def reuse_capacity_fix(latest: Snapshot, snaps: list[Snapshot], needed_blocks: int,
+                       reason: str) -> tuple[Fix | None, Evidence]:
+    """Restart so that the pool keeps `needed_blocks` blocks resident (the blocks reused within their reuse
+    distance): with a KV budget of that many blocks where a block's bytes are known (and, where the GPU is
+    known, it has them free), else with fewer concurrent sequences where the running ones hold the room the
+    cache lacks (each sequence fewer frees what one holds), else None: nothing the numbers size.
+
+    Returns the fix and the numbers behind it, for the evidence."""
+    engine = latest.engine
+    deficit = needed_blocks - engine.num_blocks
+    numbers: Evidence = {"needed_blocks": needed_blocks, "pool_blocks": engine.num_blocks}
+    if deficit <= 0 or not latest.knows("engine.num_blocks"):
+        return None, numbers
+    block_bytes = engine.block_size * engine.bytes_per_token if latest.knows("engine.bytes_per_token") else 0
+    free = gpu_free_bytes(latest)
+    if block_bytes > 0:
+        budget = needed_blocks * block_bytes
+        extra = budget - engine.kv_cache_bytes
+        numbers["fit_kv_cache_memory_bytes"] = budget
+        if free is None or extra <= GPU_HEADROOM * free:
+            where = f"the GPU has {free} free" if free is not None else "check the device has that memory free"
+            return Fix(kind=FixKind.RESTART, action="restart_engine", params={"kv_cache_memory": budget},
+                       description=f"{reason}: restart with kv_cache_memory={budget} bytes ({needed_blocks} blocks, "
+                                   f"+{extra} bytes; {where}) so the reused blocks stay resident until reuse"), numbers
+    per_seq = blocks_per_seq(snaps)
+    running = max((snap.requests.running for snap in snaps), default=0) if latest.knows("requests.running") else 0
+    if per_seq is None or running < 2:
+        return None, numbers
+    fewer = running - math.ceil(deficit / per_seq)
+    numbers.update(blocks_per_seq=round(per_seq, 2), running_peak=running)
+    if fewer < 1:
+        return None, numbers
+    numbers["fit_max_num_seqs"] = fewer
+    return Fix(kind=FixKind.RESTART, action="restart_engine", params={"max_num_seqs": fewer},
+               description=f"{reason}: restart with max_num_seqs={fewer} (up to {running} ran at once): "
+                           f"{running - fewer} fewer sequences of ~{per_seq:.1f} blocks leave the cache the "
+                           f"{deficit} blocks it lacks; or enlarge the KV pool to {needed_blocks} blocks"), numbers

@@ -10,6 +10,13 @@ rule may propose `shadow` mode as a measurement (an `info` diagnosis, setting `s
 or SGLang server has no normalization and no shadow cache: there the same low hit rate is an `info`
 diagnosis whose advice is to make shared prefixes byte-identical, down to a near-zero hit rate: that
 one no_prefix_hits reports (its causes are rarely prompt variance alone; one problem, one diagnosis).
+
+Where such a server publishes its KV cache events (`Snapshot.kv_events`), kvops sees the root blocks
+themselves: groups of roots that differ in only a few token positions (`root_variants`) are the same prompt
+with a timestamp, a request id or whitespace changed. With a low hit rate, the largest group is named, with
+the differing positions and token ids, and normalization of those tokens is proposed (advice: the server
+cannot normalize). Without such a group the events say the variance is not the cause, and the low-hit note
+is not given (low_hit_cause names the cause). A kvops engine, which normalizes live, is unchanged.
 """
 
 from __future__ import annotations
@@ -18,10 +25,18 @@ from pydantic import Field
 
 from kvops.history import EngineHistory
 from kvops.kinds import Capability, profile_of
-from kvops.rules.common import PrefixCacheRuleSettings, cache_lookups, covered_steady_span, diagnosis, fresh_latest
+from kvops.rules.common import (
+    PrefixCacheRuleSettings,
+    cache_lookups,
+    covered_steady_span,
+    diagnosis,
+    fresh_latest,
+    usable_events,
+)
 from kvops.rules.no_prefix_hits import NEAR_ZERO_HIT_RATE
 from kvops.schema.admin import SET_NORMALIZATION
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
+from kvops.schema.kv_events import KvEventStats, RootVariant
 from kvops.schema.snapshot import Snapshot
 
 RULE_ID = "prompt_variance"
@@ -38,6 +53,9 @@ class Settings(PrefixCacheRuleSettings):
     shadow_probe_max_hit_rate: float = Field(0.2, ge=0, le=1, description="... 'low': at most this hit rate")
     shadow_probe_min_requests: int = Field(50, ge=1, description="... 'many': at least this many requests finished "
                                                                  "in the window")
+    min_variant_roots: int = Field(4, ge=2, description="KV events: root blocks a group of variants needs")
+    max_variant_positions: int = Field(8, ge=1, description="KV events: a group differing in more token positions "
+                                                            "is not one prompt varied")
 
 
 EXTERNAL_ADVICE = ("make shared prompt prefixes byte-identical (no timestamps, request ids or stray whitespace "
@@ -87,13 +105,18 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
                                              min_effect=settings.verify_min_change)]),
         )]
 
+    normalizes = profile_of(latest).can(Capability.LIVE_NORMALIZATION)
+    events = None if normalizes else usable_events(latest)
+    if events is not None:  # a server without normalization whose root blocks kvops sees
+        if hit_rate is None or queries < settings.min_queried_tokens or hit_rate > settings.shadow_probe_max_hit_rate:
+            return []
+        return _root_variants(history, settings, events, span, hit_rate, queries)
     if mode != "off" or not settings.suggest_shadow or hit_rate is None:
         return []
     requests = history.delta(lambda s: s.requests.finished_total, span) or 0.0
     if (queries < settings.min_queried_tokens or requests < settings.shadow_probe_min_requests
             or hit_rate > settings.shadow_probe_max_hit_rate):
         return []
-    normalizes = profile_of(latest).can(Capability.LIVE_NORMALIZATION)
     if not normalizes and hit_rate <= NEAR_ZERO_HIT_RATE:
         return []  # no normalization to offer: no_prefix_hits reports (almost) no hits with their likely causes
     summary = f"the prefix cache hits {hit_rate:.0%} of {queries:.0f} prompt tokens over {requests:.0f} requests"
@@ -107,3 +130,43 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
     return [diagnosis(history, RULE_ID, TITLE, Severity.INFO, summary, {
         "normalization": mode, "hit_rate": round(hit_rate, 4), "queried_tokens": int(queries),
         "requests": int(requests), "window_s": round(span, 1)}, fix=measure)]
+
+
+def from_events(found: Diagnosis) -> bool:
+    """Whether a prompt_variance diagnosis names root variants seen in the KV events (not the low-hit note)."""
+    return "variant_positions" in found.evidence
+
+
+def _variants(variant: RootVariant, shown: int = 4) -> str:
+    """The differing token ids of the first `shown` roots, one bracketed list per root."""
+    text = " ".join("[" + ",".join(map(str, ids)) + "]" for ids in variant.variants[:shown])
+    return text + (f" (+{variant.roots - shown} more)" if variant.roots > shown else "")
+
+
+def _root_variants(history: EngineHistory, settings: Settings, events: KvEventStats, span: float, hit_rate: float,
+                   queries: float) -> list[Diagnosis]:
+    """The largest group of resident root blocks that differ in a few token positions, on a low hit rate."""
+    groups = [v for v in events.root_variants
+              if v.roots >= settings.min_variant_roots and 0 < len(v.positions) <= settings.max_variant_positions]
+    if not groups:
+        return []  # the roots do not vary by a few tokens: not this rule's cause (low_hit_cause names it)
+    top = max(groups, key=lambda v: v.roots)
+    positions = ",".join(map(str, top.positions))
+    summary = (f"{top.roots} root blocks of {top.block_tokens} tokens differ only at token position(s) {positions} "
+               f"(ids {_variants(top)}), and the prefix cache hit {hit_rate:.0%} of {queries:.0f} prompt tokens: "
+               f"the same prompt with a few tokens changed before its shared part")
+    advice = (f"normalize the prompts before the shared part: the tokens at position(s) {positions} of the first "
+              f"block (a timestamp, a request id, whitespace) differ between otherwise identical prompts; move them "
+              f"after the shared part or strip them, and the {top.roots} roots become one")
+    return [diagnosis(history, RULE_ID, TITLE, Severity.WARNING, summary, {
+        "normalization": "unavailable",
+        "hit_rate": round(hit_rate, 4),
+        "queried_tokens": int(queries),
+        "variant_roots": top.roots,
+        "variant_positions": positions,
+        "variant_tokens": _variants(top),
+        "variant_block_tokens": top.block_tokens,
+        "variant_tenant": top.tenant,
+        "variant_groups": len(groups),
+        "window_s": round(span, 1),
+    }, fix=Fix(kind=FixKind.REPORT, action="advice", description=advice))]

@@ -6,6 +6,13 @@ reusing almost nothing itself (its own hit rate near zero: what it fills the cac
 read again), and the harm shows as its victims' hit rate falling: the second half of the window
 against the first, or the window against the victims' hit rate before it, whichever fell more.
 One diagnosis per polluter (subject = the tenant).
+
+A server without kvops's tenants but with KV cache events (vLLM: a tenant is a cache salt, else a LoRA;
+`Snapshot.kv_events`) shows the same thing from the events: the removals of other tenants' blocks in the
+batches where a tenant stored (`TenantBlocks.evicted_others_total`). A tenant whose stores account for at
+least `min_events_pollution_share` of the removals of the others' blocks over the window, and at least
+`min_evictions_caused` of them, is named; the server has no per-tenant quota or hit counters, so the fix is
+advice and the victims' hit rate is not checked.
 """
 
 from __future__ import annotations
@@ -21,13 +28,15 @@ from kvops.rules.common import (
     covered_window,
     diagnosis,
     earlier_and_recent,
+    events_delta,
+    events_span,
     fresh_latest,
     ratio,
     rounded,
     run_span,
 )
 from kvops.schema.admin import SET_TENANT_QUOTA
-from kvops.schema.diagnosis import Diagnosis, Objective, Severity
+from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
 from kvops.schema.snapshot import Snapshot
 
 RULE_ID = "tenant_pollution"
@@ -51,6 +60,9 @@ class Settings(WindowRuleSettings):
     quota_pool_share: float = Field(0.25, gt=0, le=1, description="the proposed quota is at most this share of the "
                                                                   "pool (and at least one max_model_len request)")
     verify_min_change: float = Field(0.5, ge=0, description="relative fall of the tenant's eviction rate that counts")
+    min_events_pollution_share: float = Field(
+        0.5, gt=0, le=1, description="KV events: the tenant's stores account for at least this share of the removals "
+                                     "of other tenants' blocks in the window")
 
 
 def _tenant(field: str, tenants: tuple[str, ...]) -> Getter:
@@ -98,8 +110,10 @@ def _quota(latest: Snapshot, tenant: str, peak_held: int, settings: Settings) ->
 
 def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Diagnosis]:
     latest = fresh_latest(history, now, settings.max_snapshot_age_s)
-    if latest is None or len(latest.tenants) < 2:
+    if latest is None:
         return []
+    if len(latest.tenants) < 2:  # no engine tenants (vLLM): the KV events' tenants, where there are events
+        return _from_events(history, settings, latest)
     span = run_span(latest, settings.window_s)
     snaps = covered_window(history, span, settings)
     if not snaps:
@@ -167,5 +181,55 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
                 "window_s": round(elapsed, 1),
             },
             fix=fix, subject=tenant,
+        ))
+    return diagnoses
+
+
+def _from_events(history: EngineHistory, settings: Settings, latest: Snapshot) -> list[Diagnosis]:
+    """Polluters seen in the KV events: a tenant whose stores caused most removals of the other tenants' blocks."""
+    events = latest.kv_events
+    span = events_span(history, latest, settings)
+    if events is None or span is None or len(events.tenants) < 2:
+        return []
+    names = sorted(events.tenants)
+
+    def counter(tenant: str, field: str) -> float:
+        return events_delta(history, span, lambda e: getattr(e.tenants[tenant], field) if tenant in e.tenants else 0)
+
+    removed = {t: counter(t, "removed_total") for t in names}
+    diagnoses: list[Diagnosis] = []
+    for tenant in names:
+        caused = counter(tenant, "evicted_others_total")
+        others_removed = sum(removed[t] for t in names if t != tenant)
+        if caused < settings.min_evictions_caused or others_removed <= 0:
+            continue
+        share = min(1.0, caused / others_removed)
+        if share < settings.min_events_pollution_share:
+            continue
+        stores = counter(tenant, "stores_total")
+        victims = [t for t in names if t != tenant and removed[t] > 0]
+        stats = events.tenants[tenant]
+        summary = (f"tenant {tenant!r}'s stores came with {caused:.0f} removals of other tenants' cached blocks in "
+                   f"{span:.0f} s, {share:.0%} of all removals of theirs ({', '.join(victims)})")
+        diagnoses.append(diagnosis(
+            history, RULE_ID, TITLE, Severity.WARNING, summary,
+            {
+                "tenant": tenant,
+                "evictions_caused": int(caused),
+                "evictions_caused_per_s": round(caused / span, 4),
+                "evictions_caused_share": round(share, 4),
+                "victim_blocks_removed": int(others_removed),
+                "victims": ",".join(victims),
+                "tenant_stores": int(stores),
+                "tenant_blocks_removed": int(removed[tenant]),
+                "tenant_resident_blocks": stats.resident,
+                "tenants": len(names),
+                "window_s": round(span, 1),
+            },
+            fix=Fix(kind=FixKind.REPORT, action="advice",
+                    description=f"serve tenant {tenant!r} from its own engine (or pool), or cap its traffic: the "
+                                f"server has no per-tenant KV quota, and its {stores:.0f} blocks stored in the window "
+                                f"push the other tenants' cached prefixes out"),
+            subject=tenant,
         ))
     return diagnoses

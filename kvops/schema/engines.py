@@ -8,6 +8,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from kvops.schema.kv_events import EventStreamHealth
+
 
 class EngineExit(BaseModel):
     """How a managed engine's process ended."""
@@ -40,6 +42,7 @@ class EngineEntry(BaseModel):
     restart_at: float | None = None  # when a restart is due, after an exit
     last_log: str | None = None  # the engine's latest log line: what a starting engine is busy with
     data_problems: list[str] = []  # values its metrics reported that cannot be right (kvops.adapters.plausibility)
+    events: EventStreamHealth | None = None  # its KV cache event stream, where kvops reads one (docs/vllm.md)
 
 
 class LogLine(BaseModel):

@@ -8,9 +8,17 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Callable
 
 from pydantic import BaseModel, Field
+
+from kvops.schema.histogram import (  # noqa: F401  (re-exported: the snapshot's readers import them from here)
+    HISTOGRAM_PERCENTILES,
+    Histogram,
+    bucket_quantile,
+    histogram_since,
+    percentile_fields,
+)
+from kvops.schema.kv_events import BlockResidency, KvEventStats
 
 SCHEMA_VERSION = 1
 
@@ -129,26 +137,6 @@ class RequestStats(BaseModel):
     itl_count: int = 0
 
 
-class Histogram(BaseModel):
-    buckets: list[float]  # upper bounds (inclusive), ascending
-    counts: list[int]  # per bucket, not cumulative; one more than buckets: the last is above every bound
-    sum: float
-    count: int
-    p50: float | None
-    p95: float | None
-    p99: float | None
-
-
-# The percentiles every histogram reports, read off Histogram's p<q> fields: producers fill them
-# through `percentile_fields`, so a percentile is added or dropped in Histogram alone.
-HISTOGRAM_PERCENTILES = tuple(int(name[1:]) for name in Histogram.model_fields if re.fullmatch(r"p\d+", name))
-
-
-def percentile_fields(value: Callable[[int], float | None]) -> dict[str, float | None]:
-    """Histogram's percentile fields, each `value(q)` for q (in percent) in HISTOGRAM_PERCENTILES."""
-    return {f"p{q}": value(q) for q in HISTOGRAM_PERCENTILES}
-
-
 class RankStats(BaseModel):
     """One rank of a server that reports per rank (vLLM's `engine` label under data parallelism, SGLang's
     `tp_rank` / `dp_rank` / `pp_rank`): the snapshot's totals add the ranks up; doctor shows them when they differ."""
@@ -156,33 +144,6 @@ class RankStats(BaseModel):
     kv_usage: float | None = None
     running: int | None = None
     waiting: int | None = None
-
-
-def bucket_quantile(bounds: list[float], counts: list[int], q: float) -> float | None:
-    """Prometheus's histogram_quantile over per-bucket counts (Histogram's `counts`, the last above every
-    bound): linear within the bucket holding the q-th observation; the highest bound when it falls above."""
-    total = sum(counts)
-    if total <= 0 or not bounds:
-        return None
-    rank = q * total
-    seen = 0
-    for index, count in enumerate(counts[:-1]):
-        if seen + count >= rank and count > 0:
-            lower = bounds[index - 1] if index > 0 else 0.0
-            return lower + (bounds[index] - lower) * (rank - seen) / count
-        seen += count
-    return bounds[-1]
-
-
-def histogram_since(now: Histogram, before: Histogram | None) -> Histogram:
-    """The observations of a cumulative histogram between two snapshots, with their percentiles; `now` itself
-    when `before` is missing, has other buckets, or counts more (the server restarted in between)."""
-    if (before is None or before.buckets != now.buckets or len(before.counts) != len(now.counts)
-            or before.count > now.count):
-        return now
-    counts = [max(0, a - b) for a, b in zip(now.counts, before.counts, strict=True)]
-    return Histogram(buckets=now.buckets, counts=counts, sum=max(0.0, now.sum - before.sum),
-                     count=sum(counts), **percentile_fields(lambda q: bucket_quantile(now.buckets, counts, q / 100)))
 
 
 class StepSample(BaseModel):
@@ -310,6 +271,10 @@ class Snapshot(BaseModel):
     swap: SwapStats
     tenants: dict[str, TenantStats]
     process: ProcessStats
+    # From the engine's KV cache events (kvops.events), where kvops reads them; None: not read.
+    kv_events: KvEventStats | None = None
+    # The engine's own sampled block residency histograms (vLLM's --kv-cache-metrics); None: not reported.
+    residency: BlockResidency | None = None
 
     def knows(self, path: str) -> bool:
         """False when `path` (or a field containing it) is among the fields the source does not report."""

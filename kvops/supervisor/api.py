@@ -2,7 +2,8 @@
 
 GET  /health                                  the supervisor itself
 GET  /metrics                                 Prometheus exposition (kvops.supervisor.exporter)
-GET  /api/engines                             every engine: url, managed, up, pid, restarts, crash loop, last error
+GET  /api/engines                             every engine: url, managed, up, pid, restarts, crash loop, last error,
+                                              and its KV cache event stream's health (`events`) where kvops reads one
 GET  /api/engines/{name}/snapshot             the latest snapshot
 GET  /api/engines/{name}/history?seconds=60   snapshots of the last N seconds
 GET  /api/engines/{name}/logs?lines=100       the managed engine's latest log lines ([] for a watched one)
@@ -146,7 +147,9 @@ def _add_watch_routes(app: FastAPI, sup: Supervisor) -> None:
 
     @app.get("/api/engines")
     async def engines() -> list[dict[str, Any]]:
-        return [_engine_entry(name, state).model_dump(mode="json") for name, state in sup.engines.items()]
+        now = sup.clock()
+        return [_engine_entry(name, state).model_copy(update={"events": sup.event_feeds.health(name, now)})
+                .model_dump(mode="json") for name, state in sup.engines.items()]
 
     @app.get("/api/engines/{name}/logs")
     async def logs(name: str, lines: int = 100) -> Any:

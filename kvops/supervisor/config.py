@@ -15,15 +15,26 @@ from typing import Any, Literal
 from urllib.parse import urlparse
 
 import platformdirs
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from kvops.alerting import AlertingConfig
 from kvops.config_files import first_error, read_toml
-from kvops.kinds import AUTO, PROFILES, kinds, managed_kinds, managed_profile
+from kvops.events.endpoint import EventSource, parse_source
+from kvops.kinds import AUTO, PROFILES, Capability, kinds, managed_kinds, managed_profile, profile
 from kvops.rules import RULES
 from kvops.schema.errors import ConfigError
 from kvops.supervisor.judge import JudgeSettings
 from kvops.supervisor.probes import BlockSizeProfileSettings
+from kvops.vllm.launch import KV_EVENTS_KEY, managed_event_endpoints, read_kv_events_config
 
 Policy = Literal["off", "suggest", "auto"]
 
@@ -74,6 +85,13 @@ class EngineSpec(_Strict):
     health_timeout_s: float = Field(180.0, gt=0)  # a managed engine: its kind's health_timeout_s unless given
     drain_timeout_s: float = Field(30.0, gt=0)
     restart: RestartPolicy = Field(default_factory=RestartPolicy)
+    # KV cache events (docs/vllm.md, "KV cache events"). A watched engine: its publisher's endpoint, exactly the
+    # string given to that server's --kv-events-config "endpoint" (and its replay endpoint and topic). A managed
+    # vLLM publishes on unix sockets in the state dir unless `events = false`, or on the endpoint given here.
+    events: str | bool | None = None
+    events_replay: str | None = None
+    events_topic: str | None = None
+    _state_dir: Path | None = PrivateAttr(None)  # the supervisor's, set by KvopsConfig: where the sockets go
 
     @field_validator("name")
     @classmethod
@@ -124,7 +142,59 @@ class EngineSpec(_Strict):
             raise ValueError(f"python applies to a managed {' or '.join(p.title for p in started)} ({settings}) only")
         if kind.health_timeout_s is not None and "health_timeout_s" not in self.model_fields_set:
             self.health_timeout_s = kind.health_timeout_s
+        self._check_events()
         return self
+
+    def _check_events(self) -> None:
+        """The events settings make sense for this engine, and its endpoints are ones kvops can read."""
+        own = self.args.get(KV_EVENTS_KEY) if self.managed else None
+        if isinstance(self.events, str):
+            if own is not None:
+                raise ValueError(f"events and args.{KV_EVENTS_KEY} both say where the KV events go: keep one")
+            try:
+                parse_source(self.events, self.events_replay, self.events_topic or "")
+            except ValueError as exc:
+                raise ValueError(f"events: {exc}") from None
+        elif self.events_replay is not None or self.events_topic is not None:
+            raise ValueError("events_replay and events_topic go with the publisher's endpoint: add events = "
+                             "\"tcp://HOST:PORT\" (or \"ipc:///PATH\"), the endpoint of its --kv-events-config")
+        elif self.events is True and not self.managed:
+            raise ValueError("events = true: kvops needs the endpoint of a watched engine's publisher; write events = "
+                             "\"tcp://HOST:PORT\" (or \"ipc:///PATH\"), the endpoint of its --kv-events-config")
+        kind = managed_profile(self.kind) if self.managed else profile(self.kind)
+        wanted = isinstance(self.events, str) or self.events is True
+        if wanted and (self.managed or self.kind != AUTO) and not kind.can(Capability.KV_EVENTS):
+            readers = " and ".join(p.title for p in PROFILES.values() if p.can(Capability.KV_EVENTS))
+            raise ValueError(f"events: kvops reads the KV cache events of {readers} servers; a {kind.title} engine "
+                             f"{'reports its blocks itself' if self.managed else 'publishes none kvops reads'}")
+        if own is not None:
+            try:
+                found = read_kv_events_config(own)
+                if found is not None:
+                    parse_source(found.endpoint, found.replay_endpoint, found.topic)
+            except ValueError as exc:
+                raise ValueError(f"args.{KV_EVENTS_KEY}: {exc}") from None
+
+    def event_source(self) -> EventSource | None:
+        """Where kvops reads this engine's KV events; None when it reads none. A managed vLLM's: its own
+        args.kv_events_config when given, else the endpoint in `events`, else unix sockets in the state dir. (Its
+        launcher also leaves them off on a vLLM older than the events: kvops.kinds.vllm.)"""
+        if self.events is False:
+            return None
+        if not self.managed:
+            if not isinstance(self.events, str):
+                return None
+            return parse_source(self.events, self.events_replay, self.events_topic or "")
+        if not managed_profile(self.kind).can(Capability.KV_EVENTS):
+            return None
+        if KV_EVENTS_KEY in self.args:
+            found = read_kv_events_config(self.args[KV_EVENTS_KEY])
+            return None if found is None else parse_source(found.endpoint, found.replay_endpoint, found.topic)
+        if isinstance(self.events, str):
+            return parse_source(self.events, self.events_replay, self.events_topic or "")
+        state_dir = self._state_dir or Path(os.path.expanduser(platformdirs.user_state_dir("kvops")))
+        found = managed_event_endpoints(state_dir, self.name)
+        return parse_source(found.endpoint, found.replay_endpoint, found.topic)
 
 
 class RuleConfig(_Strict):
@@ -192,6 +262,13 @@ class KvopsConfig(_Strict):
         if not value:
             raise ValueError("no engine: configure at least one [[engines]] entry")
         return value
+
+    @model_validator(mode="after")
+    def _engine_state_dirs(self) -> KvopsConfig:
+        # A managed vLLM's KV event sockets go in the state dir, which the engines' own entries do not know.
+        for spec in self.engines:
+            spec._state_dir = self.state_path
+        return self
 
     def policy(self, rule_id: str) -> Policy:
         rule = self.rules.get(rule_id)

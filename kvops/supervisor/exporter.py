@@ -9,6 +9,10 @@ kvops engine's own `/stats`, or vLLM's and SGLang's `/metrics` read by `kvops.ad
 the labels `engine` and `kind`, so one alert or dashboard query works on every kind. A field the
 engine does not report (`Snapshot.unknown`) has no series, rather than a made-up 0. Those series, names, help
 and snapshot fields, are declared once in `kvops.schema.metrics`, with the engine's own.
+
+For an engine whose KV cache events it reads (kvops.supervisor.event_feeds), the supervisor also exports what
+they show and the stream's own health (`_event_families`): these are the supervisor's reading of a stream, not a
+snapshot field every engine reports, so they are declared here rather than in that table.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from kvops import __version__
 from kvops.kinds import managed_profile
 from kvops.rules import RULES
 from kvops.schema.diagnosis import Severity
+from kvops.schema.kv_events import EVENT_TYPES
 from kvops.schema.metrics import (
     GPU_LABELS,
     SUPERVISOR_LABELS,
@@ -123,6 +128,7 @@ class SupervisorCollector(Collector):
         yield from _supervisor_families(sup)
         yield from _engine_families(sup, kinds)
         yield from snapshot_families(sup.engines.values())
+        yield from _event_families(sup, kinds)
         yield from _diagnosis_families(sup, kinds)
         yield from _self_monitoring(sup, kinds)
         yield from _fix_families(sup)
@@ -165,6 +171,78 @@ def _engine_families(sup: Supervisor, kinds: dict[str, str]) -> Iterator[Metric]
     yield crash_loop
     yield errors
     yield implausible
+
+
+# The stream's health counters: (family stem, EventStreamHealth field, help).
+STREAM_COUNTERS = (
+    ("kv_event_batches", "batches_total", "KV event batches received and applied to the index."),
+    ("kv_event_gaps", "gaps_total", "Jumps in the KV event batches' sequence numbers (batches missed in between)."),
+    ("kv_event_replayed_batches", "replayed_batches_total", "Missed KV event batches got back from the publisher's "
+     "replay socket."),
+    ("kv_event_dropped_batches", "dropped_batches_total", "Missed KV event batches the replay could not give: the "
+     "index may be off until the next reset."),
+    ("kv_event_malformed", "malformed_total", "KV event messages that were not an event batch (skipped)."),
+    ("kv_event_publisher_restarts", "publisher_restarts_total", "Times the publisher's sequence started again (a "
+     "new engine process): the index was emptied."),
+)
+# What the index saw, from the snapshot's view: (family stem, KvEventStats field, help).
+INDEX_COUNTERS = (
+    ("kv_blocks_stored", "stores_total", "Blocks the engine stored in its prefix cache (KV events)."),
+    ("kv_blocks_removed", "removes_total", "Blocks the engine evicted from its prefix cache (KV events)."),
+    ("kv_block_restores", "restores_total", "Stores of a block removed within the restore window: work computed "
+     "again (prefix-cache thrash)."),
+)
+
+
+def _event_families(sup: Supervisor, kinds: dict[str, str]) -> Iterator[Metric]:
+    """The KV event streams: events by type and the stream's health, from the feed at scrape time; the index's
+    counters, from the latest snapshot of an engine that is up (as the other snapshot series), and its resident
+    blocks by medium unless the stream is stale. An engine without events has none of these."""
+    feeds = sup.event_feeds
+    now = sup.clock()
+    events = CounterMetricFamily("kvops_engine_kv_events", "KV cache events received, by type (BlockStored, "
+                                 "BlockRemoved, AllBlocksCleared; unknown: types kvops skips).",
+                                 labels=[*ENGINE_LABELS, "type"])
+    counters = {stem: CounterMetricFamily(f"kvops_engine_{stem}", text, labels=ENGINE_LABELS)
+                for stem, _, text in (*STREAM_COUNTERS, *INDEX_COUNTERS)}
+    age = GaugeMetricFamily("kvops_engine_kv_event_last_age_seconds", "Seconds since the last KV event batch "
+                            "arrived (absent before the first).", labels=ENGINE_LABELS)
+    stale = GaugeMetricFamily("kvops_engine_kv_event_stream_stale", "1 when the KV event stream no longer "
+                              "describes the cache: no batch since the engine went down or restarted, or none while "
+                              "it computed prompts.", labels=ENGINE_LABELS)
+    broken = GaugeMetricFamily("kvops_engine_kv_event_stream_error", "1 while the KV event stream cannot be read "
+                               "(GET /api/engines says why).", labels=ENGINE_LABELS)
+    feed_errors = CounterMetricFamily("kvops_engine_kv_event_feed_errors", "Faults of kvops's KV event feed that the "
+                                      "supervisor survived (the log has each).", labels=ENGINE_LABELS)
+    resident = GaugeMetricFamily("kvops_engine_resident_blocks", "Blocks resident in the engine's prefix cache, by "
+                                 "medium (KV events).", labels=[*ENGINE_LABELS, "medium"])
+    for name, state in sup.engines.items():
+        health = feeds.health(name, now)
+        if health is None:
+            continue
+        labels = [name, kinds[name]]
+        for kind in (*EVENT_TYPES, *(t for t in sorted(health.events_total) if t not in EVENT_TYPES)):
+            events.add_metric([*labels, kind], health.events_total.get(kind, 0))
+        for stem, field, _ in STREAM_COUNTERS:
+            counters[stem].add_metric(labels, getattr(health, field))
+        if health.last_event_age_s is not None:
+            age.add_metric(labels, health.last_event_age_s)
+        stale.add_metric(labels, 1 if health.stale else 0)
+        broken.add_metric(labels, 1 if health.error else 0)
+        feed_errors.add_metric(labels, feeds.errors.get(name, 0))
+        snap = state.history.latest
+        view = snap.kv_events if snap is not None and state.history.is_up is True else None
+        if view is None:
+            continue
+        for stem, field, _ in INDEX_COUNTERS:
+            counters[stem].add_metric(labels, getattr(view, field))
+        if view.stream.stale:
+            continue  # the resident set of a process that died, or that the stream no longer follows
+        for medium, blocks in sorted(view.resident.items()):
+            resident.add_metric([*labels, medium], blocks)
+    yield events
+    yield from counters.values()
+    yield from (age, stale, broken, feed_errors, resident)
 
 
 def _diagnosis_families(sup: Supervisor, kinds: dict[str, str]) -> Iterator[Metric]:

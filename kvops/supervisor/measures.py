@@ -128,6 +128,23 @@ def _evictions_caused(snaps: Sequence[Snapshot], subject: str) -> float | None:
     return _ratio(delta(snaps, _tenant_sum("evictions_caused", mine)), duration(snaps))
 
 
+def _restore_share(snaps: Sequence[Snapshot], subject: str) -> float | None:
+    """Blocks stored again after their eviction over blocks stored (the KV events, `Snapshot.kv_events`): the
+    share of cached work recomputed. Only intervals whose two snapshots both carry the events count (one
+    without them would read as a counter reset)."""
+    stores = restores = 0.0
+    for a, b in _pairs(snaps):
+        if a.kv_events is None or b.kv_events is None:
+            continue
+        before, after = a.kv_events, b.kv_events
+        stored = after.stores_total - before.stores_total
+        restored = after.restores_total - before.restores_total
+        # kvops restarted its reading in between (the counters start again): count from zero, like `delta`.
+        stores += stored if stored >= 0 else after.stores_total
+        restores += restored if restored >= 0 and stored >= 0 else after.restores_total
+    return _ratio(restores, stores)
+
+
 def _latency_mean(field: str) -> Value:
     """Mean seconds of `field` ("ttft", "itl") over the window: from the engine's running sum and count
     (`requests.<field>_seconds_sum`, `_count`), or from its latency histogram where the server reports that
@@ -225,6 +242,7 @@ VALUES: dict[str, Value] = {
     "kv_slots_per_request": _kv_slots_per_request,
     "kv_usage_max": _kv_usage_max,
     "overcommit": _overcommit,
+    "kv_restore_share": _restore_share,
 }
 
 

@@ -6,7 +6,9 @@ alerter, and proposes, applies and judges fixes by policy. A diagnosis clears on
 has stayed quiet for a while (kvops.supervisor.hysteresis). Profiles that take an engine a few
 seconds run in a side thread on their own schedule (kvops.supervisor.probes), so polling never
 waits for them. kvops's own faults (rules that raise, alerts that cannot be delivered) are
-counted for /metrics and raised as diagnoses of their own (kvops.alerting's self diagnoses).
+counted for /metrics and raised as diagnoses of their own (kvops.alerting's self diagnoses). The KV cache
+events of the engines that publish them are read all along (kvops.supervisor.event_feeds) and added to each
+poll's snapshot.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
+from urllib.parse import urlsplit
 
 import structlog
 
 from kvops.adapters.engine_client import EngineClient, EngineUnreachable
 from kvops.adapters.plausibility import problems
 from kvops.alerting import Alerter
+from kvops.events.endpoint import EventSource
 from kvops.history import EngineHistory, HealthSample, at_start
 from kvops.kinds import Capability, profile_of
 from kvops.kinds.client import WatchedEngineClient
@@ -33,6 +37,7 @@ from kvops.rules import evaluate_all
 from kvops.schema.diagnosis import Diagnosis, Severity
 from kvops.supervisor.audit import AuditLog
 from kvops.supervisor.config import EngineSpec, KvopsConfig
+from kvops.supervisor.event_feeds import EventFeeds
 from kvops.supervisor.fix_jobs import real_judge
 from kvops.supervisor.fixes import FixManager, Target
 from kvops.supervisor.hysteresis import Hysteresis
@@ -96,6 +101,9 @@ class Supervisor:
                 # Any server: kvops engines through /stats, the other kinds through /metrics (kvops.kinds).
                 state = EngineState(spec, history, WatchedEngineClient(str(spec.url), spec.kind, token), probes)
             self.engines[spec.name] = state
+        self.event_feeds = EventFeeds({name: found for name, state in self.engines.items()
+                                       if (found := _event_source(state.spec, state.managed)) is not None},
+                                      clock=clock)
         self.hysteresis = Hysteresis(config.clear_for_s)
         self.rule_errors: Counter[tuple[str, str]] = Counter()  # (rule, engine) -> evaluations that raised
         self.fixes = FixManager(AuditLog(state_dir / "audit.jsonl"), self._target, settings.verify_after_s,
@@ -118,6 +126,7 @@ class Supervisor:
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
+        self.event_feeds.start()  # before the engines: a feed that connects waits for its publisher to bind
         for state in self.engines.values():
             if state.managed is not None:
                 state.managed.start()
@@ -141,6 +150,7 @@ class Supervisor:
             if state.managed is not None:
                 state.managed.stop()
             state.client.close()
+        self.event_feeds.close()
         self.alerter.stop(flush_timeout_s=10.0)
         log.info("supervisor stopped")
 
@@ -207,10 +217,12 @@ class Supervisor:
                 # measure it afresh.
                 state.ready = False
                 state.probes.reset()
+                self.event_feeds.engine_restarted(state.name, now)
             if not running:
                 why = "crash loop: not restarting" if state.history.crash_loop else "engine process exited"
                 why = f"{why}; its last lines: {managed.output_tail()}"
                 state.history.record_health(HealthSample(now, False, why))
+                self.event_feeds.engine_down(state.name, now)
                 state.last_error = why
                 return
         try:
@@ -225,9 +237,11 @@ class Supervisor:
             loading = managed is not None and not state.ready
             if not loading or now - managed.started_at >= state.spec.health_timeout_s:  # type: ignore[union-attr]
                 state.history.record_health(HealthSample(now, False, str(exc)))
+                self.event_feeds.engine_down(state.name, now)
             return
         state.ready = True
         state.last_error = ""
+        snap = self.event_feeds.enrich(state.name, snap, state.history, now)
         state.history.record_health(HealthSample(now, True))
         if managed is None and state.history.latest is None and snap.knows("uptime_s"):
             # Joining a server that was already running: its counters were zero when it started, so the
@@ -269,6 +283,22 @@ class Supervisor:
             raise ProbeRefused(f"{engine}: the block-size profile is a kvops engine's admin call "
                                f"({'no snapshot yet' if latest is None else f'this is {latest.source}'})")
         state.probes.request_block_size(state.url, state.client.admin_token)
+
+
+def _event_source(spec: EngineSpec, managed: ManagedEngine | None) -> tuple[EventSource, str] | None:
+    """Where the engine's KV events come from, and the host a wildcard endpoint is reached at; None: it has none
+    kvops reads. A managed engine's launcher knows whether its engine publishes them (a vLLM older than the
+    events does not); a watched engine's entry says where."""
+    try:
+        if managed is not None:
+            source_of = getattr(managed.launcher, "event_source", None)  # only the kinds that publish have one
+            source = source_of(spec) if source_of is not None else None
+            return None if source is None else (source, spec.host)
+        source = spec.event_source()
+        return None if source is None else (source, urlsplit(str(spec.url)).hostname or "127.0.0.1")
+    except Exception:  # the engine is supervised without its events rather than not at all
+        log.exception("KV event source not resolved", engine=spec.name)
+        return None
 
 
 def _set_args(managed: ManagedEngine, args: dict[str, Any]) -> None:

@@ -6,8 +6,10 @@ import itertools
 import json
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from kvops.schema.snapshot import Histogram, Snapshot, TenantStats
+from kvops.schema.kv_events import NO_TENANT, EventStreamHealth, KvEventStats
+from kvops.schema.snapshot import Histogram, Snapshot, TenantStats, histogram_since
 from kvops.top.client import EngineView, Poller, Source, SupervisorRefused
 
 
@@ -119,6 +121,11 @@ def engine_summary(view: EngineView) -> list[str]:
         quota = t.quota_blocks if t.quota_blocks is not None else "-"
         lines.append(f"  tenant {name}: held {t.blocks_held} quota {quota} hit {fmt_pct(t.hit_rate)} "
                      f"evictions caused {t.evictions_caused} suffered {t.evictions_suffered}")
+    if s.kv_events is not None:
+        ev = s.kv_events
+        resident = ", ".join(f"{medium} {n}" for medium, n in sorted(ev.resident.items())) or "none"
+        lines.append(f"  kv events: resident blocks {resident}; {pool_line(ev)}")
+        lines.extend(f"  kv events: {line}" for line in kv_event_lines(view.history or [s]))
     return lines
 
 
@@ -165,6 +172,141 @@ def render_json(client: Source) -> str:
         except SupervisorRefused:  # no snapshot yet (starting, or down since the supervisor started)
             out[entry.name] = None
     return json.dumps(out, indent=2) + "\n"
+
+
+# ----------------------------------------------------------------- KV cache events (a vLLM with events on)
+
+# Media that are not the engine's GPU pool: vLLM's offloading tiers (MEDIUM_CPU, MEDIUM_STORAGE). Every other
+# medium (vLLM's "GPU") holds blocks of the pool that `pool_blocks` sizes.
+OFFLOAD_MEDIA = ("CPU", "STORAGE")
+
+
+def fmt_age(seconds: float | None) -> str:
+    """A duration from milliseconds to hours in a few columns: 320 ms, 4.2 s, 3m20s."""
+    if seconds is None:
+        return "-"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    return f"{seconds:.1f} s" if seconds < 60 else fmt_duration(seconds)
+
+
+def fmt_rate(per_s: float | None) -> str:
+    if per_s is None:
+        return "-"
+    return f"{per_s:.1f}/s" if per_s < 100 else f"{per_s:,.0f}/s"
+
+
+def pool_resident(ev: KvEventStats) -> int:
+    return sum(n for medium, n in ev.resident.items() if medium.upper() not in OFFLOAD_MEDIA)
+
+
+def free_blocks(ev: KvEventStats) -> int | None:
+    """Blocks of the GPU pool holding nothing the events know of; None while the pool size is unknown."""
+    return None if ev.pool_blocks is None else max(0, ev.pool_blocks - pool_resident(ev))
+
+
+def pool_line(ev: KvEventStats) -> str:
+    free = free_blocks(ev)
+    if free is None:  # cache_config_info not read (an older vLLM, or metrics not scraped yet)
+        return "pool size unknown (no cache_config_info): free blocks not shown"
+    return f"pool {ev.pool_blocks} blocks, {pool_resident(ev)} resident, {free} free"
+
+
+def stream_line(stream: EventStreamHealth) -> str:
+    """The stream's health in one line; "STALE" and "stream error" are what the panel colours."""
+    age = "no event yet" if stream.last_event_age_s is None else f"last event {fmt_age(stream.last_event_age_s)} ago"
+    line = (f"events {stream.events_per_s:.0f}/s  gaps {stream.gaps_total}  dropped {stream.dropped_batches_total}  "
+            f"malformed {stream.malformed_total}  {age}")
+    if stream.publisher_restarts_total:
+        line += f"  restarts {stream.publisher_restarts_total}"
+    if stream.stale:
+        line += "  STALE"
+    if stream.error:
+        line += f"\nstream error: {stream.error}"
+    return line
+
+
+@dataclass(frozen=True)
+class EventRates:
+    """Rates between the last two snapshots, and shares and percentiles over the whole history shown."""
+
+    stores_per_s: float | None  # None: a single snapshot so far, or the counters restarted in between
+    removes_per_s: float | None
+    window_s: float | None  # the span the rest covers; None: everything since kvops started reading
+    stores: int
+    restores: int
+    restored_tokens: int
+    lifetime_s: Histogram
+    idle_before_evict_s: Histogram
+
+
+def _counting_run(history: Sequence[Snapshot]) -> list[tuple[float, KvEventStats]]:
+    """The latest snapshots with events, back to the first where the counters started again (kvops restarted)
+    or events were off: differences are meaningful within it. Oldest first."""
+    run: list[tuple[float, KvEventStats]] = []
+    for s in reversed(history):
+        ev = s.kv_events
+        if ev is None or (run and (ev.stores_total > run[-1][1].stores_total
+                                   or ev.removes_total > run[-1][1].removes_total)):
+            break
+        run.append((s.time, ev))
+    run.reverse()
+    return run
+
+
+def event_rates(history: Sequence[Snapshot]) -> EventRates | None:
+    """None when the latest snapshot has no events."""
+    run = _counting_run(history)
+    if not run:
+        return None
+    (t0, first), (t1, last) = run[0], run[-1]
+    stores_per_s = removes_per_s = None
+    if len(run) >= 2 and t1 > run[-2][0]:
+        prev, dt = run[-2][1], t1 - run[-2][0]
+        stores_per_s = (last.stores_total - prev.stores_total) / dt
+        removes_per_s = (last.removes_total - prev.removes_total) / dt
+    before = first if t1 > t0 else None
+    return EventRates(
+        stores_per_s=stores_per_s, removes_per_s=removes_per_s, window_s=t1 - t0 if before else None,
+        stores=last.stores_total - (before.stores_total if before else 0),
+        restores=last.restores_total - (before.restores_total if before else 0),
+        restored_tokens=last.restored_tokens_total - (before.restored_tokens_total if before else 0),
+        lifetime_s=histogram_since(last.lifetime_s, before.lifetime_s if before else None),
+        idle_before_evict_s=histogram_since(last.idle_before_evict_s, before.idle_before_evict_s if before else None))
+
+
+def _p50_p95(h: Histogram | None) -> str:
+    return "-" if h is None or h.count == 0 else f"p50 {fmt_age(h.p50)} p95 {fmt_age(h.p95)}"
+
+
+def kv_event_lines(history: Sequence[Snapshot]) -> list[str]:
+    """The events' numbers for the latest snapshot of `history` (oldest first): the stream's health, store and
+    remove rates, re-stores, block lifetime and idle time before eviction, the largest shared prefixes."""
+    latest = history[-1] if history else None
+    rates = event_rates(history)
+    if latest is None or latest.kv_events is None or rates is None:
+        return []
+    ev = latest.kv_events
+    span = f"last {fmt_duration(rates.window_s)}" if rates.window_s else "since kvops started reading"
+    lines = [
+        stream_line(ev.stream),
+        f"stores {fmt_rate(rates.stores_per_s)}  removes {fmt_rate(rates.removes_per_s)}  "
+        f"clears {ev.clears_total}  resident {sum(ev.resident.values())} blk / {ev.resident_tokens:,} tok",
+        f"{span}: re-stores {fmt_pct(rates.restores / rates.stores if rates.stores else None)} of "
+        f"{rates.stores} stores, {rates.restored_tokens:,} tokens recomputed",
+        f"lifetime {_p50_p95(rates.lifetime_s)}  idle before eviction {_p50_p95(rates.idle_before_evict_s)}",
+    ]
+    if latest.residency is not None:  # vLLM's own sampled histograms (--kv-cache-metrics), cumulative
+        r = latest.residency
+        lines.append(f"vLLM's metrics: lifetime {_p50_p95(r.lifetime_s)}  idle {_p50_p95(r.idle_before_evict_s)}")
+    if ev.shared_prefixes:
+        lines.append("largest shared prefixes: blocks below, depth (tokens), tenant, head")
+        lines.extend(f"  {p.descendants:>6}  {p.depth:>4} blk ({p.tokens:,} tok)  "
+                     f"{p.tenant if p.tenant != NO_TENANT else '(none)'}  {p.block_hash[:12]}"
+                     for p in ev.shared_prefixes)
+    else:
+        lines.append("no shared prefix: no resident block has resident blocks below it")
+    return lines
 
 
 def _or_dash(value: float | None) -> str:
