@@ -154,6 +154,8 @@ def at_start(first: Snapshot) -> Snapshot:
     for key in ("finished_total", "aborted_total", "preemptions_total", "prompt_tokens_total",
                 "generation_tokens_total", "ttft_seconds_sum", "ttft_count", "itl_seconds_sum", "itl_count"):
         data["requests"][key] = 0
+    if data["requests"]["abandoned_total"] is not None:  # an estimate of a count since the start: 0 there too
+        data["requests"]["abandoned_total"] = 0
     for key in ("swap_out_total", "swap_in_total", "swap_in_reused_total", "swap_preemptions_total",
                 "swap_fallbacks_total"):
         data["swap"][key] = 0

@@ -73,6 +73,8 @@ NOT_EXPORTED = {
     # the KV event view: the supervisor exports what it reads of the stream itself (exporter._event_families)
     "kv_events",
     "residency",  # vLLM's own --kv-cache-metrics histograms, which it exports itself
+    # vLLM's TTFT count less its end-to-end count less its live requests: series vLLM exports itself
+    "requests.abandoned_total",
 }
 
 

@@ -182,6 +182,27 @@ def test_aborted_requests_stays_quiet(scene: Any) -> None:
     assert aborted_requests.evaluate(history_of(scene), aborted_requests.Settings(), T0) == []
 
 
+def abandons(finished: int, abandoned: int, dips: int = 0) -> Any:
+    """vLLM 0.32: hang-ups are not aborts (its abort count stays 0) but show as requests with a first token and no
+    end; `dips` requests waiting for their first token at every odd snapshot take the estimate down meanwhile."""
+    def scene(i: int, t: float) -> dict[str, Any]:
+        return {"source": "vllm", "requests": {"finished_total": 1000 + round(finished * i / 60), "aborted_total": 0,
+                                               "abandoned_total": max(0, 50 + round(abandoned * i / 60)
+                                                                      - (dips if i % 2 else 0))}}
+    return scene
+
+
+def test_abandoned_requests_count_as_aborted_and_are_named_apart() -> None:
+    d = only(aborted_requests.evaluate(history_of(abandons(20, 40, dips=3)), aborted_requests.Settings(), T0))
+    assert d.evidence["aborted"] == 40 and d.evidence["abandoned"] == 40 and d.evidence["ended"] == 60
+    assert d.severity is Severity.CRITICAL and "40 of them abandoned" in d.summary and "vllm" in d.summary
+
+
+def test_a_dipping_estimate_is_not_read_as_a_counter_reset() -> None:
+    """The estimate's dips (requests waiting) would each add a whole value under Prometheus's increase."""
+    assert aborted_requests.evaluate(history_of(abandons(60, 0, dips=5)), aborted_requests.Settings(), T0) == []
+
+
 def test_aborted_requests_settings_are_ordered() -> None:
     with pytest.raises(ValidationError):
         aborted_requests.Settings(warning_share=0.6, critical_share=0.5)

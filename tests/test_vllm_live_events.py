@@ -164,3 +164,40 @@ def test_metrics_top_and_doctor_show_the_stream(served, tmp_path):
     out, err = doctor.communicate(timeout=120)
     assert "Traceback" not in err, err
     assert '"events"' in out or "KV cache events" in out, out
+
+
+def _aborts_counted(served: Served) -> float:
+    text = httpx.get(f"{served.engine()['url']}/metrics", timeout=10).text
+    return sum(float(m[1]) for m in re.finditer(
+        r'^vllm:request_success_total{[^}]*finished_reason="abort"[^}]*} (\S+)$', text, re.M))
+
+
+def test_clients_that_hang_up_mid_stream_are_abandoned_requests(served):
+    """vLLM 0.32 stops a request whose client hung up but counts it neither as an abort nor as ended: the snapshot
+    reads the gap (a first token, no end) as abandoned requests, aborted_requests names them, and so does doctor."""
+    url = served.engine()["url"]
+    before = served.api.get("/api/engines/vllm/snapshot").json()["requests"]
+    aborts = _aborts_counted(served)
+    rng = random.Random(35)
+    for _ in range(6):
+        body = {"model": "smollm2", "prompt": _tokens(rng, 40), "max_tokens": 400, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+            chunks = response.iter_lines()
+            for _ in range(3):  # a few tokens, then the client goes away
+                next(chunks)
+    wait_for("vLLM to let go of the streams", lambda: _vllm(served, "num_requests_running") == 0, 60)
+    after = wait_for("the abandoned requests in the snapshot", lambda: (r := served.api.get(
+        "/api/engines/vllm/snapshot").json()["requests"])["abandoned_total"] - before["abandoned_total"] >= 6 and r,
+        30)
+    assert after["abandoned_total"] - before["abandoned_total"] == 6, after
+    assert _aborts_counted(served) == aborts  # what vLLM 0.32 does: if a later vLLM counts them, read them there
+    settings = RULES["aborted_requests"].settings_type(min_requests=1, warning_share=0.01, window_s=30)
+    found = RULES["aborted_requests"].evaluate(served.sup.engines["vllm"].history, settings, time.time())
+    assert found and found[0].evidence["abandoned"] == 6, found
+    assert "6 of them abandoned" in found[0].summary, found[0].summary
+
+    doctor = subprocess.run([sys.executable, "-m", "kvops", "doctor", "--url", url], capture_output=True, text=True,
+                            timeout=120)
+    line = next(text for text in doctor.stdout.splitlines() if "Aborted requests" in text)
+    assert "abandoned" in line, doctor.stdout

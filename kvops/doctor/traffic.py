@@ -43,19 +43,23 @@ def _aborted(latest: Snapshot, found: list[Diagnosis]) -> Check:
     title = "Aborted requests"
     if found:
         return from_diagnosis(title, found[0], latest, SECTION)
-    if not latest.knows("requests.aborted_total"):
-        return unreported(title, latest, "aborted requests", "requests.aborted_total", SECTION)
     requests = latest.requests
+    abandoned = requests.abandoned_total or 0
+    if not latest.knows("requests.aborted_total") and requests.abandoned_total is None:
+        return unreported(title, latest, "aborted requests", "requests.aborted_total", SECTION)
     if not latest.knows("requests.finished_total"):
         status = Status.INFO if requests.aborted_total else Status.OK
         return Check(section=SECTION, title=title, status=status,
                      evidence=f"{requests.aborted_total} aborted or failed since start; {latest.source} reports no "
                               "count of finished requests to compare them with",
                      remedy=f"needs {profile_of(latest).missing_metric('requests.finished_total')}")
-    ended = requests.aborted_total + requests.finished_total
-    share = f" ({requests.aborted_total / ended:.1%})" if ended else ""
+    aborted = (requests.aborted_total if latest.knows("requests.aborted_total") else 0) + abandoned
+    ended = aborted + requests.finished_total
+    share = f" ({aborted / ended:.1%})" if ended else ""
+    uncounted = (f" ({abandoned} abandoned: a first token and no end, which {latest.source} does not count as an "
+                 "abort)") if abandoned else ""
     return Check(section=SECTION, title=title, status=Status.OK,
-                 evidence=f"{requests.aborted_total} of {ended} ended requests{share} since start")
+                 evidence=f"{aborted} of {ended} ended requests{share}{uncounted} since start")
 
 
 def _percentiles(histogram: Histogram) -> str:

@@ -3,7 +3,9 @@
 Over the window (counter deltas), the share of aborted requests among those that ended, once at least
 `min_requests` ended. Aborts are a symptom: clients usually give up because the first token takes too long,
 i.e. requests queue (see the queueing and latency_slo lines), or because the answers are too slow to stream.
-Only where the server counts aborts (`requests.aborted_total` known).
+Where the server counts aborts (`requests.aborted_total` known), and where it does not count a client's hang-up
+but its counters show it (`requests.abandoned_total`: vLLM's requests with a first token and no end, read by
+kvops.kinds.vllm): abandoned requests are aborted ones the server did not count, and are named apart.
 """
 
 from __future__ import annotations
@@ -32,12 +34,17 @@ class Settings(WindowRuleSettings):
 
 def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Diagnosis]:
     latest = fresh_latest(history, now, settings.max_snapshot_age_s)
-    if latest is None or not latest.knows("requests.aborted_total") or not latest.knows("requests.finished_total"):
+    if latest is None or not latest.knows("requests.finished_total"):
+        return []
+    counted, estimated = latest.knows("requests.aborted_total"), latest.requests.abandoned_total is not None
+    if not counted and not estimated:
         return []
     span = run_span(latest, settings.window_s)
     if not covered_window(history, span, settings):
         return []
-    aborted = history.delta(lambda s: s.requests.aborted_total, span) or 0.0
+    counted_aborts = history.delta(lambda s: s.requests.aborted_total, span) or 0.0 if counted else 0.0
+    abandoned = abandoned_in(history, span) if estimated else 0.0
+    aborted = counted_aborts + abandoned
     finished = history.delta(lambda s: s.requests.finished_total, span) or 0.0
     ended = finished + aborted  # the snapshot counts the two apart, on every kind of server
     if ended < settings.min_requests or ended <= 0:
@@ -46,15 +53,18 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
     if share < settings.warning_share:
         return []
     severity = Severity.CRITICAL if share >= settings.critical_share else Severity.WARNING
+    uncounted = (f" ({abandoned:.0f} of them abandoned: a first token and no end, which {latest.source} does "
+                 "not count as an abort)") if abandoned else ""
     summary = (f"{aborted:.0f} of {ended:.0f} requests that ended in the last {span:.0f} s were aborted "
-               f"({share:.0%}): clients time out or disconnect, usually because requests queue or the first token "
-               f"is slow; check the queueing and latency lines")
+               f"({share:.0%}){uncounted}: clients time out or disconnect, usually because requests queue or the "
+               f"first token is slow; check the queueing and latency lines")
     return [diagnosis(
         history, RULE_ID, TITLE, severity, summary,
         {
             "aborted": int(aborted),
             "finished": int(ended - aborted),
             "ended": int(ended),
+            **({"abandoned": int(abandoned)} if estimated else {}),
             "aborted_share": round(share, 4),
             "waiting": latest.requests.waiting if latest.knows("requests.waiting") else None,
             "running": latest.requests.running if latest.knows("requests.running") else None,
@@ -64,3 +74,11 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
                 description="find why clients give up: if requests queue or TTFT is high, admit more requests or "
                             "add capacity; else raise the clients' timeouts or look at their logs"),
     )]
+
+
+def abandoned_in(history: EngineHistory, span: float) -> float:
+    """Requests abandoned over the window: the estimate's rise from the window's first snapshot to its last.
+    Not a counter's increase: the estimate dips while new requests wait for their first token (it takes every
+    live request off), and a dip is not a restart (the span is the current run's already)."""
+    points = [s.requests.abandoned_total for s in history.window(span) if s.requests.abandoned_total is not None]
+    return float(max(0, points[-1] - points[0])) if len(points) >= 2 else 0.0

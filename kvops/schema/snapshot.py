@@ -129,6 +129,10 @@ class RequestStats(BaseModel):
     # Median over live requests (running, swapped, waiting) of prompt + max_tokens, capped at
     # max_model_len: how long they may grow, which sizing concurrency needs before any has finished.
     live_requested_len_p50: int | None = None
+    # Requests that got a first token and never ended, on a server that does not count a client's hang-up as an
+    # abort (vLLM 0.32: its time-to-first-token count minus its end-to-end count, less the requests running);
+    # None where the server counts hang-ups itself (kvops's engine) or its counters do not allow the estimate.
+    abandoned_total: int | None = None
     # Latency of generated tokens, cumulative (the difference of two snapshots gives the mean over
     # the interval): time to first token from arrival, and between consecutive tokens of a request.
     ttft_seconds_sum: float = 0.0
