@@ -75,6 +75,12 @@ def _run(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _gateway(args: argparse.Namespace) -> int:
+    from kvops.gateway.run import run_gateway
+
+    return run_gateway(args)
+
+
 def _bench(argv: list[str]) -> int:
     if argv[:1] == ["kv-quant"]:
         from kvops.bench import kv_quant as bench_kv
@@ -171,6 +177,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_doctor_args(doctor)
     doctor.set_defaults(handler=_doctor)
+
+    gateway = commands.add_parser(
+        "gateway", help="a tenant-aware OpenAI proxy in front of vLLM: API keys, cache salts, limits, per-tenant "
+        "metrics (see docs/gateway.md)",
+        description="Relay OpenAI requests to --upstream, each accounted to the tenant of its API key, with the "
+                    "tenant's cache salt, prompt normalization and limits; /metrics and /stats/tenants per tenant.")
+    from kvops.gateway.run import add_gateway_args
+
+    add_gateway_args(gateway)
+    gateway.set_defaults(handler=_gateway)
 
     commands.add_parser("vllm", help="install vLLM's CPU build and the shipped model for it (`kvops vllm setup`, "
                         "see docs/vllm.md)", add_help=False)

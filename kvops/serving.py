@@ -20,10 +20,14 @@ class _DrainingServer(uvicorn.Server):
             self._captured_signals.clear()
 
 
-def serve(app: FastAPI, host: str, port: int, drain_timeout_s: float) -> int:
-    """Run the app until SIGTERM/SIGINT: stop accepting, finish in-flight requests, drain, exit 0."""
+def serve(app: FastAPI, host: str, port: int, drain_timeout_s: float, timeout_keep_alive_s: int = 5,
+          limit_concurrency: int | None = None) -> int:
+    """Run the app until SIGTERM/SIGINT: stop accepting, finish in-flight requests, drain, exit 0.
+    `timeout_keep_alive_s` closes an idle keep-alive connection (uvicorn's default, 5 s); `limit_concurrency`
+    answers 503 to connections beyond that many (None: no limit)."""
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=max(1, int(drain_timeout_s)))
+                            timeout_graceful_shutdown=max(1, int(drain_timeout_s)),
+                            timeout_keep_alive=timeout_keep_alive_s, limit_concurrency=limit_concurrency)
     server = _DrainingServer(config)
     server.run()
     return 0 if server.started else 1

@@ -1,0 +1,141 @@
+"""The OpenAI routes: authenticate, admit, shape, relay, account. `POST /v1/completions`,
+`POST /v1/chat/completions` and `GET /v1/models`."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+
+import httpx
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvops.gateway.accounting import UNAUTHENTICATED, Usage
+from kvops.gateway.errors import GatewayError, error_response
+from kvops.gateway.limits import estimate_tokens
+from kvops.gateway.shaping import Shaped, read_json_object, shape
+from kvops.gateway.state import Gateway
+from kvops.gateway.streaming import Relay, RelayResponse
+from kvops.gateway.upstream import upstream_failure
+
+# Of the upstream's response headers, the ones the client gets (hop-by-hop and length headers are the gateway's).
+PASSED_HEADERS = ("x-request-id", "x-kvops-request-id")
+
+
+def refused(gateway: Gateway, tenant: str, exc: GatewayError) -> Response:
+    gateway.accounting.error(tenant, exc.reason)
+    gateway.accounting.request_done(tenant, exc.status)
+    return exc.response()
+
+
+def build_proxy_router(gateway: Gateway) -> APIRouter:
+    router = APIRouter()
+
+    async def completions(request: Request) -> Response:
+        return await relay_generation(gateway, request, "/v1/completions")
+
+    async def chat_completions(request: Request) -> Response:
+        return await relay_generation(gateway, request, "/v1/chat/completions")
+
+    async def models(request: Request) -> Response:
+        tenant = UNAUTHENTICATED
+        try:
+            tenant = gateway.tenant_of(request)
+            response = await gateway.upstream.send(gateway.upstream.build("GET", "/v1/models"), stream=False)
+        except GatewayError as exc:
+            return refused(gateway, tenant, exc)
+        return upstream_answer(gateway, tenant, response, response.content)
+
+    router.add_api_route("/v1/completions", completions, methods=["POST"])
+    router.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    router.add_api_route("/v1/models", models, methods=["GET"])
+    return router
+
+
+async def relay_generation(gateway: Gateway, request: Request, path: str) -> Response:
+    started = time.monotonic()
+    tenant = UNAUTHENTICATED
+    try:
+        tenant = gateway.tenant_of(request)
+        body = await read_json_object(request, gateway.settings.max_body_bytes, gateway.settings.body_timeout_s)
+        policy = gateway.policies.policy(tenant)
+        gateway.limits.admit(tenant, policy, estimate_tokens(body))
+    except GatewayError as exc:
+        return refused(gateway, tenant, exc)
+    gateway.accounting.started(tenant)
+    release = _release_once(gateway, tenant)
+    try:
+        shaped = shape(body, tenant, policy, await gateway.upstream.injects_salt())
+        response = await gateway.upstream.send(gateway.upstream.build("POST", path, shaped.body), stream=True)
+    except GatewayError as exc:
+        await release()
+        return refused(gateway, tenant, exc)
+    except BaseException:
+        await release()
+        raise
+    if shaped.stream and response.status_code == 200 and "text/event-stream" in response.headers.get(
+            "content-type", ""):
+        relay = Relay(response, tenant, gateway.accounting, started, shaped.client_wants_usage, release)
+        return RelayResponse(relay, _passed(response))
+    return await _whole_answer(gateway, tenant, response, shaped, started, release)
+
+
+async def _whole_answer(gateway: Gateway, tenant: str, response: httpx.Response, shaped: Shaped, started: float,
+                        release: Callable[[], Awaitable[None]]) -> Response:
+    try:
+        content = await response.aread()
+    except httpx.HTTPError as exc:
+        return refused(gateway, tenant, upstream_failure(exc, gateway.upstream.url))
+    finally:
+        await response.aclose()
+        await release()
+    if response.status_code < 400:
+        gateway.accounting.first_token(tenant, time.monotonic() - started)
+        if not shaped.stream:
+            try:
+                usage = Usage.from_body(json.loads(content).get("usage"))
+            except (ValueError, AttributeError):
+                usage = None
+            if usage is not None:
+                gateway.accounting.usage(tenant, usage)
+    return upstream_answer(gateway, tenant, response, content)
+
+
+def upstream_answer(gateway: Gateway, tenant: str, response: httpx.Response, content: bytes) -> Response:
+    """The upstream's answer as the client gets it: as it came when it succeeded or is an OpenAI error body, else an
+    OpenAI error of the same status (503: the upstream is unavailable)."""
+    status = response.status_code
+    gateway.accounting.request_done(tenant, status)
+    if status < 400:
+        return Response(content, status_code=status, headers=_passed(response),
+                        media_type=response.headers.get("content-type", "application/json"))
+    gateway.accounting.error(tenant, "upstream_unavailable" if status == 503 else "upstream_status")
+    try:
+        body = json.loads(content)
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return JSONResponse(body, status_code=status, headers=_passed(response))
+    if status == 503:
+        return error_response(503, f"the upstream {gateway.upstream.url} is unavailable (503); try again later",
+                              "upstream_error")
+    return error_response(status, f"the upstream {gateway.upstream.url} answered {status}", "upstream_error")
+
+
+def _passed(response: httpx.Response) -> dict[str, str]:
+    return {name: response.headers[name] for name in PASSED_HEADERS if name in response.headers}
+
+
+def _release_once(gateway: Gateway, tenant: str) -> Callable[[], Awaitable[None]]:
+    """Give the tenant's in-flight slot back, once, whichever path ends the request."""
+    done = False
+
+    async def release() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            gateway.limits.release(tenant)
+            gateway.accounting.finished(tenant)
+
+    return release
