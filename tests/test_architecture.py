@@ -274,6 +274,12 @@ def _watching(case: str, tmp_path: Path) -> str:
         return _cli(["doctor", "--url", url])
     if case == "top":
         return _cli(["top", "--once", "--attach", url])
+    if case == "gateway":  # the gateway in front of a remote vLLM, built as `kvops gateway` builds it (not served)
+        return ("from kvops.cli import build_parser\n"
+                "from kvops.gateway.app import build_gateway_app\n"
+                "from kvops.gateway.run import build_from_args\n"
+                f"args = build_parser().parse_args(['gateway', '--upstream', {url!r}])\n"
+                "build_gateway_app(build_from_args(args))\n")
     config = tmp_path / "kvops.toml"
     config.write_text(f'[supervisor]\nstate_dir = "{tmp_path / "state"}"\n\n'
                       f'[[engines]]\nname = "remote"\nurl = "{url}"\nmanaged = false\n')
@@ -287,7 +293,7 @@ def _watching(case: str, tmp_path: Path) -> str:
             "build_supervisor_app(supervisor)\n")
 
 
-@pytest.mark.parametrize("case", ["doctor", "top", "run", "supervisor"])
+@pytest.mark.parametrize("case", ["doctor", "top", "run", "supervisor", "gateway"])
 def test_watching_remote_engines_does_not_import_torch(case: str, tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-c", PROBE % _watching(case, tmp_path)], cwd=tmp_path,
                             capture_output=True, text=True, timeout=120, check=False)
