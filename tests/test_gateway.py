@@ -219,6 +219,8 @@ def test_admin_routes_need_the_admin_token(tmp_path: Path) -> None:
             assert httpx.put(f"{url}/admin/tenants/%20x", json={}, headers=ADMIN).status_code == 400
             quoted = httpx.put(f"{url}/admin/tenants/team%2Fa%20b", json={"max_concurrency": 3}, headers=ADMIN)
             assert quoted.status_code == 200 and quoted.json()["tenant"] == "team/a b"
+            percent = httpx.put(f"{url}/admin/tenants/100%2541", json={}, headers=ADMIN)  # decoded once: 100%41
+            assert percent.status_code == 200 and percent.json()["tenant"] == "100%41"
 
 
 # ------------------------------------------------------------------------------ bad input and faults
@@ -288,3 +290,28 @@ def test_the_gateway_does_not_import_torch() -> None:
     result = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True,
                             timeout=60, check=True)
     assert json.loads(result.stdout) is False
+
+
+def test_kvops_gateway_command_serves_says_default_tenant_and_drains(tmp_path: Path) -> None:
+    """The command as a user runs it: flags, start-up lines, 502 for a dead upstream, a clean SIGTERM."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvops", "gateway", "--upstream", f"http://127.0.0.1:{free_port()}",
+                             "--listen", f"127.0.0.1:{port}", "--connect-timeout", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for("the gateway up", lambda: httpx.get(f"{url}/health").status_code == 503, 30, [proc])
+        assert httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x"}).status_code == 502
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert b"every request is tenant 'default'" in err and b"127.0.0.1:" in err
+
+
+def test_kvops_gateway_refuses_a_bad_key_file_in_one_line(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("team-a short\n")
+    result = subprocess.run([sys.executable, "-m", "kvops", "gateway", "--upstream", "http://127.0.0.1:1",
+                             "--api-keys-file", str(keys)], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2 and "line 1" in result.stderr and "Traceback" not in result.stderr

@@ -5,7 +5,6 @@ keys and the admin token never are."""
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import unquote
 
 import structlog
 from fastapi import APIRouter, Request
@@ -26,11 +25,10 @@ def build_admin_router(gateway: Gateway) -> APIRouter:
         gateway.check_admin(request)
         if tenant is None:
             return None
-        name = unquote(tenant)
-        problem = tenant_name_problem(name)
+        problem = tenant_name_problem(tenant)  # the server has URL-decoded the path once
         if problem is not None:
             raise bad_request(problem, param="tenant")
-        return name
+        return tenant
 
     async def list_tenants(request: Request) -> Response:
         try:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from kvops.engine.normalize import normalize_messages, normalize_prompt
 from kvops.gateway.errors import GatewayError, bad_request
@@ -34,10 +35,14 @@ async def read_json_object(request: Request, max_bytes: int, timeout_s: float) -
     except TimeoutError:
         raise GatewayError(408, f"the request body did not arrive within {timeout_s:g} s", "invalid_request_error",
                            "body_timeout") from None
+    except ClientDisconnect:
+        raise bad_request("the client went away before the end of its request body", "body_incomplete") from None
     try:
         body = json.loads(b"".join(chunks))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise bad_request(f"the body is not valid JSON: {exc}", "bad_json") from None
+    except RecursionError:
+        raise bad_request("the body is not valid JSON: nested too deeply", "bad_json") from None
     if not isinstance(body, dict):
         raise bad_request(f"the body must be a JSON object, not {type(body).__name__}", "bad_json")
     return body

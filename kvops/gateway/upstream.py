@@ -62,7 +62,10 @@ class Upstream:
         self.url = url.rstrip("/")
         self.kind = kind
         timeouts = timeouts or UpstreamTimeouts()
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # identity: streams are relayed as raw bytes, which must be the events themselves, not a compressed body
+        headers = {"Accept-Encoding": "identity"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
         self.client = httpx.AsyncClient(
             base_url=self.url, headers=headers, trust_env=False,  # never a proxy from the environment
             timeout=httpx.Timeout(connect=timeouts.connect, read=timeouts.read, write=timeouts.write,
