@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 from gateway_metrics import sample, tenant_stats
-from gateway_servers import ADMIN, Recorder, auth, gateway_in_front_of, serving
+from gateway_servers import ADMIN, ADMIN_TOKEN, KEYS, Recorder, auth, gateway_in_front_of, serving
+from structlog.testing import capture_logs
 from waiting import wait_for
 
 from kvops.gateway.limits import TenantLimits, estimate_tokens
@@ -219,6 +220,13 @@ def test_admin_routes_need_the_admin_token(tmp_path: Path) -> None:
             assert httpx.put(f"{url}/admin/tenants/%20x", json={}, headers=ADMIN).status_code == 400
             quoted = httpx.put(f"{url}/admin/tenants/team%2Fa%20b", json={"max_concurrency": 3}, headers=ADMIN)
             assert quoted.status_code == 200 and quoted.json()["tenant"] == "team/a b"
+            with capture_logs() as logs:
+                httpx.put(f"{url}/admin/tenants/team-a", json={"tokens_per_minute": 600}, headers=auth("team-a"))
+                httpx.put(f"{url}/admin/tenants/team-a", json={"tokens_per_minute": 600}, headers=ADMIN)
+            changes = [e for e in logs if e["event"] == "gateway policy change"]
+            assert len(changes) == 1 and changes[0]["tenant"] == "team-a"
+            assert changes[0]["after"]["tokens_per_minute"] == 600 and changes[0]["before"]["tokens_per_minute"] is None
+            assert not any(secret in repr(logs) for secret in (*KEYS.values(), ADMIN_TOKEN))
             percent = httpx.put(f"{url}/admin/tenants/100%2541", json={}, headers=ADMIN)  # decoded once: 100%41
             assert percent.status_code == 200 and percent.json()["tenant"] == "100%41"
 
