@@ -76,6 +76,11 @@ def build_from_args(args: argparse.Namespace) -> Gateway:
     """The gateway of these flags; ConfigError for a bad key file, policy file or missing variable."""
     if not args.upstream.startswith(("http://", "https://")):
         raise ConfigError(f"--upstream {args.upstream!r}: write the server's URL, e.g. http://127.0.0.1:8000")
+    for flag, value in (("--max-body-size", args.max_body_size), ("--body-timeout", args.body_timeout),
+                        ("--keep-alive-timeout", args.keep_alive_timeout), ("--max-connections", args.max_connections),
+                        ("--connect-timeout", args.connect_timeout), ("--upstream-timeout", args.upstream_timeout)):
+        if value <= 0:
+            raise ConfigError(f"{flag} {value}: must be above 0")
     keys = load_api_keys(args.api_keys_file, args.api_keys_env)
     policies = load_policy_file(args.policy_file)
     timeouts = UpstreamTimeouts(connect=args.connect_timeout, read=args.upstream_timeout)
