@@ -323,3 +323,21 @@ def test_kvops_gateway_refuses_a_bad_key_file_in_one_line(tmp_path: Path) -> Non
     result = subprocess.run([sys.executable, "-m", "kvops", "gateway", "--upstream", "http://127.0.0.1:1",
                              "--api-keys-file", str(keys)], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 2 and "line 1" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_tenant_over_its_token_rate_gets_429_with_retry_after(tmp_path: Path) -> None:
+    recorder = Recorder()
+    with serving(recorder.app) as upstream, gateway_in_front_of(upstream, tmp_path) as (url, _):
+        limited = httpx.put(f"{url}/admin/tenants/team-a", json={"tokens_per_minute": 60}, headers=ADMIN)
+        assert limited.status_code == 200
+        body = {**CHAT, "max_tokens": 100}  # 2 + 100 estimated tokens: the bucket of 60 goes to -42
+        assert httpx.post(f"{url}/v1/chat/completions", json=body, headers=auth("team-a")).status_code == 200
+        refused = httpx.post(f"{url}/v1/chat/completions", json=body, headers=auth("team-a"))
+        error = _error(refused, 429)
+        assert error["type"] == "rate_limit_error" and "60 tokens per minute" in error["message"]
+        assert 40 <= int(refused.headers["Retry-After"]) <= 44  # (42 + 1) tokens at 1 per second
+        assert httpx.post(f"{url}/v1/chat/completions", json=body, headers=auth("team-b")).status_code == 200
+        assert len(recorder.bodies) == 2
+        assert sample(url, "kvops_gateway_errors_total", tenant="team-a", reason="token_rate_limit") == 1
+        httpx.put(f"{url}/admin/tenants/team-a", json={"tokens_per_minute": None}, headers=ADMIN)
+        assert httpx.post(f"{url}/v1/chat/completions", json=body, headers=auth("team-a")).status_code == 200
