@@ -143,7 +143,9 @@ def test_client_hanging_up_mid_stream_closes_the_upstream_stream_and_is_counted(
         started = time.monotonic()
         with httpx.stream("POST", f"{url}/v1/chat/completions", json={**CHAT, "stream": True},
                           headers=auth("team-b"), timeout=30) as response:
-            next(response.iter_raw())
+            chunks = response.iter_raw()
+            next(chunks)
+        # leaving the block closes the connection: the client hangs up after its first chunk
         wait_for("the upstream stream closed", lambda: recorder.streams_closed_early == 1, 5)
         assert time.monotonic() - started < 5 and recorder.streams_finished == 0
         wait_for("the disconnect counted", lambda: sample(url, "kvops_gateway_client_disconnects_total",

@@ -92,7 +92,9 @@ def test_a_client_hanging_up_aborts_the_engine_s_request(shared_engine: str, thr
     before = aborted()
     with httpx.stream("POST", f"{url}/v1/chat/completions", headers=auth("team-b"), timeout=60,
                       json=chat(model, "Count to a thousand.", 900, ignore_eos=True, stream=True)) as response:
-        next(response.iter_raw())
+        chunks = response.iter_raw()
+        next(chunks)
+    # leaving the block closes the connection: the client hangs up after its first chunk
     wait_for("the engine aborted the request", lambda: aborted() == before + 1, 15)
     wait_for("the disconnect counted", lambda: sample(url, "kvops_gateway_client_disconnects_total",
                                                       tenant="team-b") == 1, 5)
@@ -100,15 +102,18 @@ def test_a_client_hanging_up_aborts_the_engine_s_request(shared_engine: str, thr
 
 
 def test_a_tenant_over_its_concurrency_limit_gets_429_and_others_do_not(through) -> None:
-    url, _, model = through
+    url, gateway, model = through
     assert httpx.put(f"{url}/admin/tenants/team-a", json={"max_concurrency": 1}, headers=ADMIN).status_code == 200
     holding = threading.Event()
     release = threading.Event()
+    statuses: list[int] = []
 
     def hold() -> None:
         with httpx.stream("POST", f"{url}/v1/chat/completions", headers=auth("team-a"), timeout=60,
                           json=chat(model, "Tell a long story.", 600, ignore_eos=True, stream=True)) as response:
-            next(response.iter_raw())
+            statuses.append(response.status_code)
+            chunks = response.iter_raw()  # kept: a dropped iterator closes the response, and so the connection
+            next(chunks)
             holding.set()
             release.wait(30)
 
@@ -116,6 +121,7 @@ def test_a_tenant_over_its_concurrency_limit_gets_429_and_others_do_not(through)
     thread.start()
     try:
         assert holding.wait(60)
+        assert statuses == [200] and gateway.limits.in_flight["team-a"] == 1
         refused = httpx.post(f"{url}/v1/chat/completions", json=chat(model, "Hi", 2), headers=auth("team-a"),
                              timeout=30)
         assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
