@@ -111,6 +111,19 @@ def _bench(argv: list[str]) -> int:
     return bench.main(argv)
 
 
+def _add_gateway_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from kvops.gateway.run import add_gateway_args
+
+    gateway = commands.add_parser(
+        "gateway", help="a tenant-aware OpenAI proxy in front of vLLM: API keys, cache salts, limits, per-tenant "
+        "metrics (see docs/gateway.md)",
+        description="Relay OpenAI requests to --upstream, each accounted to the tenant of its API key, with the "
+                    "tenant's cache salt, prompt normalization and limits; /metrics and /stats/tenants per tenant.")
+    add_gateway_args(gateway)
+    gateway.set_defaults(handler=_gateway)
+
+
+# Long: one block per subcommand, in the order `kvops --help` lists them; the big ones add their flags elsewhere
 def build_parser() -> argparse.ArgumentParser:
     from kvops.engine.args import add_engine_args
 
@@ -178,15 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_doctor_args(doctor)
     doctor.set_defaults(handler=_doctor)
 
-    gateway = commands.add_parser(
-        "gateway", help="a tenant-aware OpenAI proxy in front of vLLM: API keys, cache salts, limits, per-tenant "
-        "metrics (see docs/gateway.md)",
-        description="Relay OpenAI requests to --upstream, each accounted to the tenant of its API key, with the "
-                    "tenant's cache salt, prompt normalization and limits; /metrics and /stats/tenants per tenant.")
-    from kvops.gateway.run import add_gateway_args
-
-    add_gateway_args(gateway)
-    gateway.set_defaults(handler=_gateway)
+    _add_gateway_parser(commands)
 
     commands.add_parser("vllm", help="install vLLM's CPU build and the shipped model for it (`kvops vllm setup`, "
                         "see docs/vllm.md)", add_help=False)
