@@ -170,6 +170,10 @@ def test_each_tenant_gets_its_salt_and_a_client_salt_is_replaced(tmp_path: Path)
                           headers=auth("team-b")).status_code == 200
         assert [body.get("cache_salt") for body in recorder.bodies] == ["tenant:team-a", "group:research"]
         assert recorder.bodies[0]["messages"] == CHAT["messages"]  # the rest as the client sent it
+        # a whole answer: its usage counted, its time to first token the whole answer's
+        assert sample(url, "kvops_gateway_prompt_tokens_total", tenant="team-b") == 10
+        assert sample(url, "kvops_gateway_cached_prompt_tokens_total", tenant="team-b") == 4
+        assert sample(url, "kvops_gateway_time_to_first_token_seconds_count", tenant="team-b") == 1
         put = httpx.put(f"{url}/admin/tenants/team-a", json={"cache": "shared"}, headers=ADMIN)
         assert put.status_code == 200 and put.json()["before"]["cache"] == "isolated"
         httpx.post(f"{url}/v1/chat/completions", json=forged, headers=auth("team-a"))
