@@ -297,6 +297,10 @@ def test_an_unavailable_upstream_is_a_503(tmp_path: Path) -> None:
         error = _error(httpx.post(f"{url}/v1/chat/completions", json=CHAT), 503)
         assert "unavailable" in error["message"]
         assert gateway.limits.in_flight["default"] == 0
+        recorder.status = 401  # the upstream wants a key the gateway was not given: not the client's fault
+        error = _error(httpx.post(f"{url}/v1/chat/completions", json=CHAT), 502)
+        assert "--upstream-api-key-env" in error["message"]
+        assert sample(url, "kvops_gateway_errors_total", tenant="default", reason="upstream_auth") == 1
 
 
 def test_the_gateway_does_not_import_torch() -> None:

@@ -104,12 +104,17 @@ async def _whole_answer(gateway: Gateway, tenant: str, response: httpx.Response,
 
 def upstream_answer(gateway: Gateway, tenant: str, response: httpx.Response, content: bytes) -> Response:
     """The upstream's answer as the client gets it: as it came when it succeeded or is an OpenAI error body, else an
-    OpenAI error of the same status (503: the upstream is unavailable)."""
+    OpenAI error of the same status (503: the upstream is unavailable); 502 when it refused the gateway's key."""
     status = response.status_code
-    gateway.accounting.request_done(tenant, status)
+    gateway.accounting.request_done(tenant, 502 if status in (401, 403) else status)
     if status < 400:
         return Response(content, status_code=status, headers=_passed(response),
                         media_type=response.headers.get("content-type", "application/json"))
+    if status in (401, 403):
+        # The client's key was good (it got this far): the upstream refused the gateway's own credentials.
+        gateway.accounting.error(tenant, "upstream_auth")
+        return error_response(502, f"the upstream {gateway.upstream.url} refused the gateway ({status}): give it the "
+                              "upstream's key with --upstream-api-key-env", "upstream_error")
     gateway.accounting.error(tenant, "upstream_unavailable" if status == 503 else "upstream_status")
     try:
         body = json.loads(content)
