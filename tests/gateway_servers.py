@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvops.engine.api_keys import load_api_keys
 from kvops.gateway.app import build_gateway_app
 from kvops.gateway.policy import PolicyStore
+from kvops.gateway.shaping import wants_stream
 from kvops.gateway.state import Gateway, GatewaySettings
 from kvops.gateway.upstream import Upstream, UpstreamKind, UpstreamTimeouts
 from kvops.processes import free_port
@@ -112,9 +113,12 @@ class Recorder:
         async def completion(request: Request) -> Any:
             body = await request.json()
             self.bodies.append(body)
+            if not isinstance(body, dict):
+                return JSONResponse({"error": {"message": "not an object", "type": "x", "param": None, "code": 400}},
+                                    status_code=400)
             if self.status != 200:
                 return JSONResponse({"detail": "busy"}, status_code=self.status)
-            if body.get("stream"):
+            if wants_stream(body.get("stream")):
                 return StreamingResponse(self._stream(body), media_type="text/event-stream")
             return {"id": "x", "object": "chat.completion", "model": "m", "usage": self._usage(),
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
@@ -132,7 +136,8 @@ class Recorder:
                          "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}]}
                 yield f"data: {json.dumps(chunk)}\n\n".encode()
                 await asyncio.sleep(self.chunk_delay_s)
-            if (body.get("stream_options") or {}).get("include_usage"):
+            options = body.get("stream_options")
+            if isinstance(options, dict) and options.get("include_usage") is True:
                 usage = {"id": "x", "object": "chat.completion.chunk", "model": "m", "choices": [],
                          "usage": self._usage()}
                 yield f"data: {json.dumps(usage)}\n\n".encode()

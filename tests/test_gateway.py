@@ -8,12 +8,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from gateway_metrics import sample, tenant_stats
 from gateway_servers import ADMIN, ADMIN_TOKEN, KEYS, Recorder, auth, gateway_in_front_of, serving
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from structlog.testing import capture_logs
 from waiting import wait_for
 
@@ -260,11 +263,13 @@ def test_keys_decide_the_tenant_and_bad_input_is_refused_in_openai_shape(tmp_pat
                                       413)["message"]
         _error(httpx.post(f"{url}/v1/chat/completions", content=b"{nope", headers=auth("team-a")), 400)
         _error(httpx.post(f"{url}/v1/chat/completions", json=[1, 2], headers=auth("team-a")), 400)
+        for raw in (b'{"model": NaN}', b'{"max_tokens": -Infinity}', b'\xff'):
+            _error(httpx.post(f"{url}/v1/chat/completions", content=raw, headers=auth("team-a")), 400)
         assert recorder.bodies == []  # nothing of it reached the upstream
         assert httpx.get(f"{url}/v1/models", headers=auth("team-b")).json()["data"][0]["owned_by"] == "vllm"
         assert sample(url, "kvops_gateway_errors_total", tenant="unauthenticated", reason="no_api_key") == 2
         assert sample(url, "kvops_gateway_errors_total", tenant="team-a", reason="body_too_large") == 1
-        assert sample(url, "kvops_gateway_errors_total", tenant="team-a", reason="bad_json") == 2
+        assert sample(url, "kvops_gateway_errors_total", tenant="team-a", reason="bad_json") == 5
 
 
 def test_a_body_that_does_not_arrive_in_time_gets_408(tmp_path: Path) -> None:
@@ -351,3 +356,32 @@ def test_a_tenant_over_its_token_rate_gets_429_with_retry_after(tmp_path: Path) 
         assert sample(url, "kvops_gateway_errors_total", tenant="team-a", reason="token_rate_limit") == 1
         httpx.put(f"{url}/admin/tenants/team-a", json={"tokens_per_minute": None}, headers=ADMIN)
         assert httpx.post(f"{url}/v1/chat/completions", json=body, headers=auth("team-a")).status_code == 200
+
+
+SCALARS = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+           | st.text(max_size=20))
+JSON_VALUES = st.recursive(SCALARS,
+                           lambda children: st.lists(children, max_size=4)
+                           | st.dictionaries(st.text(max_size=8), children, max_size=4), max_leaves=12)
+BODY_FIELDS = st.sampled_from(["model", "prompt", "messages", "stream", "stream_options", "max_tokens",
+                               "max_completion_tokens", "cache_salt", "user"])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.dictionaries(BODY_FIELDS, JSON_VALUES, max_size=6) | JSON_VALUES)
+def test_no_body_makes_the_gateway_fail(fuzz_gateway: str, body: object) -> None:
+    """Whatever JSON a client sends, with normalization and both limits on, the gateway answers it without a 5xx of
+    its own (the recording upstream answers 200 to anything that reaches it)."""
+    response = httpx.post(f"{fuzz_gateway}/v1/chat/completions", json=body, headers=auth("team-a"), timeout=30)
+    assert response.status_code < 500, response.text
+    if response.status_code != 200:
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.fixture(scope="module")
+def fuzz_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    recorder = Recorder(chunks=1)
+    policies = PolicyStore(TenantPolicy(normalize=True, max_concurrency=4, tokens_per_minute=10**9))
+    with serving(recorder.app) as upstream, \
+            gateway_in_front_of(upstream, tmp_path_factory.mktemp("fuzz"), policies=policies) as (url, _):
+        yield url

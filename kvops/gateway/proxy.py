@@ -74,8 +74,8 @@ async def relay_generation(gateway: Gateway, request: Request, path: str) -> Res
     except BaseException:
         await release()
         raise
-    if shaped.stream and response.status_code == 200 and "text/event-stream" in response.headers.get(
-            "content-type", ""):
+    # Relayed as a stream when the upstream streams, whatever the gateway made of the request's `stream`.
+    if response.status_code == 200 and "text/event-stream" in response.headers.get("content-type", ""):
         relay = Relay(response, tenant, gateway.accounting, started, shaped.client_wants_usage, release)
         return RelayResponse(relay, _passed(response))
     return await _whole_answer(gateway, tenant, response, shaped, started, release)

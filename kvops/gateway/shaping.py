@@ -38,14 +38,19 @@ async def read_json_object(request: Request, max_bytes: int, timeout_s: float) -
     except ClientDisconnect:
         raise bad_request("the client went away before the end of its request body", "body_incomplete") from None
     try:
-        body = json.loads(b"".join(chunks))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        body = json.loads(b"".join(chunks), parse_constant=_not_json)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError and NaN / Infinity
         raise bad_request(f"the body is not valid JSON: {exc}", "bad_json") from None
     except RecursionError:
         raise bad_request("the body is not valid JSON: nested too deeply", "bad_json") from None
     if not isinstance(body, dict):
         raise bad_request(f"the body must be a JSON object, not {type(body).__name__}", "bad_json")
     return body
+
+
+def _not_json(name: str) -> None:
+    """NaN and Infinity are not JSON (RFC 8259), though Python reads them; the upstream's body could not carry them."""
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def _too_large(max_bytes: int) -> GatewayError:
@@ -65,7 +70,7 @@ class Shaped:
 def shape(body: dict[str, Any], tenant: str, policy: TenantPolicy, inject_salt: bool) -> Shaped:
     """The upstream's body for `tenant`: a copy of the client's with the policy applied."""
     out = dict(body)
-    stream = out.get("stream") is True
+    stream = wants_stream(out.get("stream"))
     # A client-supplied cache_salt is always replaced (or removed): a client that could choose its salt could join
     # another tenant's cache (and read its prompts' timing) just by sending that tenant's salt.
     out.pop("cache_salt", None)
@@ -81,6 +86,16 @@ def shape(body: dict[str, Any], tenant: str, policy: TenantPolicy, inject_salt: 
         # client that did not ask for it (kvops/gateway/streaming.py).
         out["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
     return Shaped(out, stream, client_wants_usage)
+
+
+def wants_stream(value: object) -> bool:
+    """Whether `stream` asks for a stream as the upstream reads it: vLLM's pydantic models take a bool leniently
+    (`1`, `"true"`, `"yes"`, `"on"`... are true), so the gateway does too, or it would not ask that stream for usage."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float):
+        return value == 1
+    return isinstance(value, str) and value.strip().lower() in ("1", "true", "t", "yes", "y", "on")
 
 
 def _normalize(body: dict[str, Any]) -> None:
