@@ -33,6 +33,12 @@ def chat(model: str, content: str, max_tokens: int, **extra: Any) -> dict[str, A
             "temperature": 0, **extra}
 
 
+def engine_aborted(engine: str) -> float:
+    text = httpx.get(f"{engine}/metrics", timeout=10).text
+    return next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("kvops_requests_aborted_total"))
+
+
 def test_answers_pass_through_and_tenants_are_counted_apart(shared_engine: str, through) -> None:
     url, gateway, model = through
     body = chat(model, "What is a KV cache?", 12)
@@ -84,20 +90,28 @@ def test_a_stream_arrives_chunk_by_chunk_with_the_engine_s_text(shared_engine: s
 def test_a_client_hanging_up_aborts_the_engine_s_request(shared_engine: str, through) -> None:
     url, gateway, model = through
 
-    def aborted() -> float:
-        text = httpx.get(f"{shared_engine}/metrics", timeout=10).text
-        return next(float(line.split()[-1]) for line in text.splitlines()
-                    if line.startswith("kvops_requests_aborted_total"))
-
-    before = aborted()
+    before = engine_aborted(shared_engine)
     with httpx.stream("POST", f"{url}/v1/chat/completions", headers=auth("team-b"), timeout=60,
                       json=chat(model, "Count to a thousand.", 900, ignore_eos=True, stream=True)) as response:
         chunks = response.iter_raw()
         next(chunks)
     # leaving the block closes the connection: the client hangs up after its first chunk
-    wait_for("the engine aborted the request", lambda: aborted() == before + 1, 15)
+    wait_for("the engine aborted the request", lambda: engine_aborted(shared_engine) == before + 1, 15)
     wait_for("the disconnect counted", lambda: sample(url, "kvops_gateway_client_disconnects_total",
                                                       tenant="team-b") == 1, 5)
+    assert gateway.limits.in_flight["team-b"] == 0
+
+
+def test_a_client_hanging_up_before_a_whole_answer_aborts_the_engine_s_request(shared_engine: str, through) -> None:
+    url, gateway, model = through
+    before, hung_up = engine_aborted(shared_engine), sample(url, "kvops_gateway_client_disconnects_total",
+                                                            tenant="team-b")
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1 s of a 900-token answer and hangs up
+        httpx.post(f"{url}/v1/chat/completions", headers=auth("team-b"), timeout=httpx.Timeout(10, read=1),
+                   json=chat(model, "Count to a thousand.", 900, ignore_eos=True))
+    wait_for("the engine aborted the request", lambda: engine_aborted(shared_engine) == before + 1, 15)
+    wait_for("the hang-up counted", lambda: sample(url, "kvops_gateway_client_disconnects_total",
+                                                   tenant="team-b") == hung_up + 1, 5)
     assert gateway.limits.in_flight["team-b"] == 0
 
 

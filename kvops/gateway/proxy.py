@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import httpx
 from fastapi import APIRouter, Request
@@ -20,6 +22,7 @@ from kvops.gateway.streaming import Relay, RelayResponse
 from kvops.gateway.upstream import upstream_failure
 
 # Of the upstream's response headers, the ones the client gets (hop-by-hop and length headers are the gateway's).
+T = TypeVar("T")
 PASSED_HEADERS = ("x-request-id", "x-kvops-request-id")
 
 
@@ -67,29 +70,67 @@ async def relay_generation(gateway: Gateway, request: Request, path: str) -> Res
     release = _release_once(gateway, tenant)
     try:
         shaped = shape(body, tenant, policy, await gateway.upstream.injects_salt())
-        response = await gateway.upstream.send(gateway.upstream.build("POST", path, shaped.body), stream=True)
+        response = await until_gone(request, gateway.upstream.send(gateway.upstream.build("POST", path, shaped.body),
+                                                                   stream=True))
     except GatewayError as exc:
         await release()
         return refused(gateway, tenant, exc)
     except BaseException:
         await release()
         raise
+    if response is None:
+        await release()
+        return client_gone(gateway, tenant)
     # Relayed as a stream when the upstream streams, whatever the gateway made of the request's `stream`.
     if response.status_code == 200 and "text/event-stream" in response.headers.get("content-type", ""):
         relay = Relay(response, tenant, gateway.accounting, started, shaped.client_wants_usage, release)
         return RelayResponse(relay, _passed(response))
-    return await _whole_answer(gateway, tenant, response, shaped, started, release)
+    return await _whole_answer(gateway, request, tenant, response, shaped, started, release)
 
 
-async def _whole_answer(gateway: Gateway, tenant: str, response: httpx.Response, shaped: Shaped, started: float,
-                        release: Callable[[], Awaitable[None]]) -> Response:
+async def until_gone(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None when the client hung up first: then `work` is cancelled, which closes the upstream
+    connection (vLLM and the kvops engine abort a request whose client has gone). A whole answer is waited for
+    like this; a stream's hang-up is Starlette's to hear (kvops/gateway/streaming.py)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_hung_up(request))
     try:
-        content = await response.aread()
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the handler itself cancelled: nothing may be left running
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.wait({task})  # until the upstream connection is closed; the task's CancelledError stays in it
+    return None
+
+
+async def _hung_up(request: Request) -> None:
+    """Returns when the client disconnects (its body has been read: the next message can only be that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def client_gone(gateway: Gateway, tenant: str) -> Response:
+    gateway.accounting.disconnect(tenant)
+    gateway.accounting.request_done(tenant, 499)
+    return Response(status_code=499)  # nobody reads it
+
+
+async def _whole_answer(gateway: Gateway, request: Request, tenant: str, response: httpx.Response, shaped: Shaped,
+                        started: float, release: Callable[[], Awaitable[None]]) -> Response:
+    try:
+        content = await until_gone(request, response.aread())
     except httpx.HTTPError as exc:
         return refused(gateway, tenant, upstream_failure(exc, gateway.upstream.url))
     finally:
         await response.aclose()
         await release()
+    if content is None:
+        return client_gone(gateway, tenant)
     if response.status_code < 400:
         gateway.accounting.first_token(tenant, time.monotonic() - started)
         if not shaped.stream:
