@@ -76,6 +76,7 @@ METRICS = table(
 )
 CONFIG = "vllm:cache_config_info"
 UNFINISHED = ("abort", "error")  # finish reasons of requests that did not get their answer
+PROMPT_DETAILS_KEY = "enable_prompt_tokens_details"  # --enable-prompt-tokens-details, on for a vLLM kvops starts
 TTFT = "vllm:time_to_first_token_seconds"
 E2E = "vllm:e2e_request_latency_seconds"  # observed once per request that ended, whatever its finish reason
 
@@ -281,6 +282,9 @@ class VllmLauncher:
         from kvops.vllm.install import neutral_cwd
         from kvops.vllm.launch import server_argv, server_env
 
+        # Cached prompt tokens in each response's usage (prompt_tokens_details), which a gateway in front of this
+        # vLLM counts per tenant (docs/gateway.md); `enable_prompt_tokens_details = false` in the args turns it off.
+        args = {PROMPT_DETAILS_KEY: True, **args}
         settings = server_settings(with_drain(self._with_events(spec, args), spec.drain_timeout_s), spec.host, port)
         env = {**server_env(settings), "PYTHONUNBUFFERED": "1"}
         return Launch(server_argv(self.python, settings), env, str(neutral_cwd()))
