@@ -20,6 +20,15 @@ class EngineExit(BaseModel):
     stderr_tail: tuple[str, ...] = ()
 
 
+class GatewayLink(BaseModel):
+    """The `kvops gateway` in front of an engine, as the supervisor reads it (docs/gateway.md)."""
+
+    url: str
+    tenants: int = 0  # tenants in its last /stats/tenants
+    errors_total: int = 0  # reads that failed
+    error: str = ""  # the last failure, "" once a read succeeds
+
+
 class EngineEntry(BaseModel):
     """One row of GET /api/engines."""
 
@@ -43,6 +52,7 @@ class EngineEntry(BaseModel):
     last_log: str | None = None  # the engine's latest log line: what a starting engine is busy with
     data_problems: list[str] = []  # values its metrics reported that cannot be right (kvops.adapters.plausibility)
     events: EventStreamHealth | None = None  # its KV cache event stream, where kvops reads one (docs/vllm.md)
+    gateway: GatewayLink | None = None  # the gateway in front of it, where its entry names one
 
 
 class LogLine(BaseModel):

@@ -210,12 +210,14 @@ SNAPSHOT_METRICS: tuple[SnapshotMetric, ...] = (
     # tenants: the engine caps the `tenant` label (engine/metrics.py, TenantLabels)
     _g("tenant_blocks", f"tenants.{EACH}.blocks_held", BLOCKS, "Blocks held by the tenant's live sequences.",
        labels=("tenant",)),
+    # The supervisor republishes these for every engine that reports tenants, or has a gateway that does
+    # (kvops.supervisor.gateway_tenants), `tenant` capped per engine the same way.
     _c("tenant_requests", f"tenants.{EACH}.requests_total", "requests", "Requests admitted for the tenant.",
-       labels=("tenant",)),
+       labels=("tenant",), supervisor=Exposed()),
     _c("tenant_prompt_tokens", f"tenants.{EACH}.prompt_tokens_total", TOKENS, "Prompt tokens admitted for the tenant.",
-       labels=("tenant",)),
+       labels=("tenant",), supervisor=Exposed()),
     _c("tenant_prefix_hit_tokens", f"tenants.{EACH}.hit_tokens_total", TOKENS,
-       "The tenant's prompt tokens served from the cache.", labels=("tenant",)),
+       "The tenant's prompt tokens served from the cache.", labels=("tenant",), supervisor=Exposed()),
     _c("tenant_cross_evictions_caused", f"tenants.{EACH}.evictions_caused", BLOCKS,
        "Other tenants' cached blocks evicted by this tenant's allocations.", labels=("tenant",)),
     _c("tenant_cross_evictions_suffered", f"tenants.{EACH}.evictions_suffered", BLOCKS,
@@ -261,7 +263,7 @@ SUPERVISOR_ORDER: tuple[str, ...] = (
     "prefix_cache_hits", "prefix_cache_hit_ratio", "num_requests_running", "num_requests_waiting", "num_preemptions",
     "prompt_tokens", "generation_tokens", "gpu_status_info", "gpu_memory_total_bytes", "gpu_memory_used_bytes",
     "gpu_memory_free_bytes", "gpu_memory_used_by_kvops_bytes", "gpu_memory_used_by_others_bytes",
-    "gpu_utilization_ratio",
+    "gpu_utilization_ratio", "tenant_requests", "tenant_prompt_tokens", "tenant_prefix_hit_tokens",
 )
 
 # The engine's event metrics, per finished request or generated token; `tenant` capped like the snapshot's.

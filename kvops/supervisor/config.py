@@ -85,6 +85,9 @@ class EngineSpec(_Strict):
     health_timeout_s: float = Field(180.0, gt=0)  # a managed engine: its kind's health_timeout_s unless given
     drain_timeout_s: float = Field(30.0, gt=0)
     restart: RestartPolicy = Field(default_factory=RestartPolicy)
+    # A `kvops gateway` in front of this engine (docs/gateway.md): its tenants' requests and tokens are read from
+    # its /stats/tenants at each poll, for an engine that reports no tenants of its own (vLLM).
+    gateway: str | None = None
     # KV cache events (docs/vllm.md, "KV cache events"). A watched engine: its publisher's endpoint, exactly the
     # string given to that server's --kv-events-config "endpoint" (and its replay endpoint and topic). A managed
     # vLLM publishes on unix sockets in the state dir unless `events = false`, or on the endpoint given here.
@@ -110,7 +113,7 @@ class EngineSpec(_Strict):
             raise ValueError(f"Input should be {', '.join(allowed[:-1])} or {allowed[-1]}")
         return value
 
-    @field_validator("url")
+    @field_validator("url", "gateway")
     @classmethod
     def _url(cls, value: str | None) -> str | None:
         return None if value is None else _check_url(value)

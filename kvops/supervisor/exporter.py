@@ -17,7 +17,8 @@ snapshot field every engine reports, so they are declared here rather than in th
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -26,6 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from kvops import __version__
+from kvops.engine.metrics import TenantLabels
 from kvops.kinds import managed_profile
 from kvops.rules import RULES
 from kvops.schema.diagnosis import Severity
@@ -78,11 +80,14 @@ def _family(row: SnapshotMetric, labels: list[str]) -> Metric:
 # status of its GPU read.
 SNAPSHOT_SERIES = tuple(row for row in supervisor_metrics() if not row.labels)
 GPU_SERIES = tuple(row for row in supervisor_metrics() if row.labels == GPU_LABELS)
+TENANT_SERIES = tuple(row for row in supervisor_metrics() if row.labels == ("tenant",))
 GPU_STATUS = by_stem("gpu_status_info")
 
 
-def snapshot_families(states: Iterable[EngineState]) -> Iterator[Metric]:
-    """SNAPSHOT_SERIES for every engine that answered its last poll, labelled engine and kind; then its GPUs."""
+def snapshot_families(states: Iterable[EngineState],
+                      tenant_labels: Mapping[str, TenantLabels] | None = None) -> Iterator[Metric]:
+    """SNAPSHOT_SERIES for every engine that answered its last poll, labelled engine and kind; then its GPUs and
+    its tenants (labels given out by `tenant_labels[engine]`, which keeps them from one scrape to the next)."""
     families = {row.stem: _family(row, ENGINE_LABELS) for row in SNAPSHOT_SERIES}
     up: list[tuple[str, Snapshot]] = []
     for state in states:
@@ -97,6 +102,7 @@ def snapshot_families(states: Iterable[EngineState]) -> Iterator[Metric]:
                 families[row.stem].add_metric(labels, value)
     yield from families.values()
     yield from _gpu_families(up)
+    yield from _tenant_families(up, tenant_labels if tenant_labels is not None else defaultdict(TenantLabels))
 
 
 def _gpu_families(engines: list[tuple[str, Snapshot]]) -> Iterator[Metric]:
@@ -118,6 +124,26 @@ def _gpu_families(engines: list[tuple[str, Snapshot]]) -> Iterator[Metric]:
     yield from families.values()
 
 
+def _tenant_families(engines: list[tuple[str, Snapshot]],
+                     labels: Mapping[str, TenantLabels]) -> Iterator[Metric]:
+    """Each engine's tenants where it reports them: a tenant label per tenant up to the engine's limit, heaviest
+    first by prompt tokens when first seen, the rest summed as tenant="other" (engine/metrics.py's TenantLabels:
+    tenant names come from clients, and a series must never move between a tenant and "other")."""
+    families = {row.stem: _family(row, [*ENGINE_LABELS, "tenant"]) for row in TENANT_SERIES}
+    for engine, snap in engines:
+        if not snap.knows("tenants") or not snap.tenants:
+            continue
+        given = labels[engine]
+        given.admit(sorted(snap.tenants, key=lambda t: -snap.tenants[t].prompt_tokens_total))
+        for row in TENANT_SERIES:
+            summed: dict[str, float] = defaultdict(float)
+            for tenant, stats in snap.tenants.items():
+                summed[given.label(tenant)] += float(field_value(stats, split_each(row.field)[1]))
+            for tenant, value in summed.items():
+                families[row.stem].add_metric([engine, snap.source, tenant], value)
+    yield from families.values()
+
+
 class SupervisorCollector(Collector):
     def __init__(self, supervisor: Supervisor) -> None:
         self.supervisor = supervisor
@@ -127,7 +153,7 @@ class SupervisorCollector(Collector):
         kinds = {name: engine_kind(state) for name, state in sup.engines.items()}
         yield from _supervisor_families(sup)
         yield from _engine_families(sup, kinds)
-        yield from snapshot_families(sup.engines.values())
+        yield from snapshot_families(sup.engines.values(), sup.tenant_labels)
         yield from _event_families(sup, kinds)
         yield from _diagnosis_families(sup, kinds)
         yield from _self_monitoring(sup, kinds)

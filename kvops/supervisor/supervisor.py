@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,6 +29,7 @@ import structlog
 from kvops.adapters.engine_client import EngineClient, EngineUnreachable
 from kvops.adapters.plausibility import problems
 from kvops.alerting import Alerter
+from kvops.engine.metrics import TenantLabels
 from kvops.events.endpoint import EventSource
 from kvops.history import EngineHistory, HealthSample, at_start
 from kvops.kinds import Capability, profile_of
@@ -40,6 +41,7 @@ from kvops.supervisor.config import EngineSpec, KvopsConfig
 from kvops.supervisor.event_feeds import EventFeeds
 from kvops.supervisor.fix_jobs import real_judge
 from kvops.supervisor.fixes import FixManager, Target
+from kvops.supervisor.gateway_tenants import GatewayTenants
 from kvops.supervisor.hysteresis import Hysteresis
 from kvops.supervisor.managed_engine import ManagedEngine
 from kvops.supervisor.probes import ProbeRefused, Probes
@@ -104,6 +106,9 @@ class Supervisor:
         self.event_feeds = EventFeeds({name: found for name, state in self.engines.items()
                                        if (found := _event_source(state.spec, state.managed)) is not None},
                                       clock=clock)
+        self.gateway_tenants = GatewayTenants({spec.name: spec.gateway for spec in config.engines if spec.gateway})
+        # The `tenant` labels of each engine's series on the supervisor's /metrics, kept across scrapes.
+        self.tenant_labels: defaultdict[str, TenantLabels] = defaultdict(TenantLabels)
         self.hysteresis = Hysteresis(config.clear_for_s)
         self.rule_errors: Counter[tuple[str, str]] = Counter()  # (rule, engine) -> evaluations that raised
         self.fixes = FixManager(AuditLog(state_dir / "audit.jsonl"), self._target, settings.verify_after_s,
@@ -151,6 +156,7 @@ class Supervisor:
                 state.managed.stop()
             state.client.close()
         self.event_feeds.close()
+        self.gateway_tenants.close()
         self.alerter.stop(flush_timeout_s=10.0)
         log.info("supervisor stopped")
 
@@ -242,6 +248,7 @@ class Supervisor:
         state.ready = True
         state.last_error = ""
         snap = self.event_feeds.enrich(state.name, snap, state.history, now)
+        snap = self.gateway_tenants.enrich(state.name, snap)
         state.history.record_health(HealthSample(now, True))
         if managed is None and state.history.latest is None and snap.knows("uptime_s"):
             # Joining a server that was already running: its counters were zero when it started, so the
