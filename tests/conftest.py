@@ -21,6 +21,10 @@ from kvops.engine.llm import LLM
 from kvops.logs import configure_logging
 
 configure_logging("info", json_logs=False)
+# Every Python the tests start runs without the current directory on sys.path (Python's -P): from the repository
+# root, its kernels/ folder would shadow Hugging Face's `kernels`, which transformers 5.25 imports
+# (kvops/__main__.py does the same for `python -m kvops`).
+os.environ["PYTHONSAFEPATH"] = "1"
 
 QUESTIONS = [
     "What is the capital of France?",
