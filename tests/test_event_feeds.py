@@ -334,7 +334,10 @@ def test_a_watched_engine_that_restarted_between_polls_is_stale_until_its_new_pu
     client.started = clock() - 2  # its uptime went back: a new process since, whose publisher counts from 0 again
     sup.poll_once()
     assert sup.engines["theirs"].history.latest.kv_events.stream.stale
-    _applied(sup, publisher.publish(payloads[3:4]))  # seq 0 again: the index starts over
+    publisher.publish(payloads[3:4])  # seq 0 again: the index starts over
+    # Waited for by the restart it causes: the last seq applied (2) is past 0 already, so it cannot tell.
+    wait_for("the new publisher's first batch", lambda: sup.event_feeds.health(
+        "theirs", time.time()).publisher_restarts_total == 1, 5, every_s=0.02)
     sup.poll_once()
     latest = sup.engines["theirs"].history.latest.kv_events
     assert not latest.stream.stale and latest.stream.publisher_restarts_total == 1
