@@ -102,6 +102,10 @@ def _bench(argv: list[str]) -> int:
         from kvops.bench import events as bench_events
 
         return bench_events.main(argv[1:])
+    if argv[:1] == ["gateway"]:
+        from kvops.bench import gateway as bench_gateway
+
+        return bench_gateway.main(argv[1:])
     if argv[:1] == ["load"]:
         from kvops import loadgen
 
@@ -203,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "requests (`kvops bench compare --help`), or start kvops and vLLM-CPU and reproduce every "
                         "number of the comparison (`kvops bench vs-vllm --help`), or see where a step's time goes "
                         "(`kvops bench profile --help`), or how fast the KV event index takes vLLM's events "
-                        "(`kvops bench events --help`)",
+                        "(`kvops bench events --help`), or what `kvops gateway` adds to a request's latency and "
+                        "throughput (`kvops bench gateway --help`)",
                         add_help=False)
     return parser
 

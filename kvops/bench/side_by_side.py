@@ -83,7 +83,7 @@ def servers(workdir: Path, cores: int, vllm_python: Path) -> Iterator[list[Start
         started.append(Started("kvops", f"http://127.0.0.1:{port}", process, path))
         # Up before the vLLMs start: kvops times its matmul backends while it loads (engine/linear.py), and beside
         # two vLLM servers loading it timed 3-10x slow passes and chose oneDNN for 2 rows, where MKL wins quiet.
-        _ready(started[0])
+        ready(started[0])
         for name, omp in (("vllm", None), ("vllm-omp", str(cores))):
             settings = ServerSettings(model=model, port=free_port(), served_model_name="SmolLM2-135M-Instruct",
                                       max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_BYTES)
@@ -91,7 +91,7 @@ def servers(workdir: Path, cores: int, vllm_python: Path) -> Iterator[list[Start
             process = start_server(vllm_python, settings, log, env_overrides={"OMP_NUM_THREADS": omp})
             started.append(Started(name, settings.url, process, path))
         for each in started[1:]:
-            _ready(each)
+            ready(each)
         yield started
     finally:
         for each in started:
@@ -100,7 +100,8 @@ def servers(workdir: Path, cores: int, vllm_python: Path) -> Iterator[list[Start
             log.close()
 
 
-def _ready(server: Started) -> None:
+def ready(server: Started) -> None:
+    """Wait for a started server's /health (900 s); CompareError with the end of its log when it does not come up."""
     try:
         wait_healthy(server.url, server.process, 900.0, server.name, server.log_path)
     except NotReady as exc:
