@@ -366,14 +366,14 @@ def _parser() -> argparse.ArgumentParser:
                         "vLLM-CPU on the shipped model)")
     parser.add_argument("--concurrency", default="1,16", help="concurrent streams, comma-separated (default: "
                         "%(default)s)")
-    parser.add_argument("--rounds", type=int, default=8, help="rounds, alternating the order (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds, alternating the order (default: %(default)s)")
     parser.add_argument("--requests", type=int, default=None, help="requests a round, side and concurrency "
                         "(default: the concurrency, at least 3)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up batches a side and concurrency, not "
                         "counted (default: %(default)s)")
-    parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="token ids a prompt (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens a completion (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="of the prompts' token ids (default: %(default)s)")
     parser.add_argument("--stub-requests", type=int, default=None, help="requests a round and side in front of the "
                         "trivial upstream (default: 20 a stream)")
     parser.add_argument("--no-stub", action="store_true", help="skip the row in front of the trivial upstream")
