@@ -24,7 +24,7 @@ from test_vllm_live_events import BLOCK, _events, _tokens, _vllm
 from test_vllm_managed import Served, real
 from waiting import wait_for
 
-from kvops.processes import free_port
+from kvops.processes import free_port, wait_healthy
 
 pytestmark = [pytest.mark.vllm, real]
 
@@ -42,11 +42,13 @@ def gateway(served: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     keys = Path(tmp_path_factory.mktemp("gateway")) / "api-keys"
     keys.write_text("".join(f"{tenant} {key}\n" for tenant, key in KEYS.items()))
     url = f"http://127.0.0.1:{free_port()}"
-    process = subprocess.Popen([sys.executable, "-m", "kvops", "gateway", "--upstream", served.engine()["url"],
-                                "--listen", url.removeprefix("http://"), "--api-keys-file", str(keys)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log_path = keys.with_name("gateway.log")  # a file, not a pipe nobody reads: a full pipe would block it
+    with log_path.open("wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "kvops", "gateway", "--upstream", served.engine()["url"],
+                                    "--listen", url.removeprefix("http://"), "--api-keys-file", str(keys)],
+                                   stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_for("the gateway", lambda: process.poll() is None and _answers(f"{url}/health"), 60)
+        wait_healthy(url, process, 60, "kvops gateway", log_path)
         yield url
     finally:
         process.terminate()
@@ -55,13 +57,6 @@ def gateway(served: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _complete(gateway: str, tenant: str, prompt: list[int]) -> dict:

@@ -136,9 +136,10 @@ def _tenant_families(engines: list[tuple[str, Snapshot]],
         given = labels[engine]
         given.admit(sorted(snap.tenants, key=lambda t: -snap.tenants[t].prompt_tokens_total))
         for row in TENANT_SERIES:
+            path = split_each(row.field)[1]
             summed: dict[str, float] = defaultdict(float)
             for tenant, stats in snap.tenants.items():
-                summed[given.label(tenant)] += float(field_value(stats, split_each(row.field)[1]))
+                summed[given.label(tenant)] += float(field_value(stats, path))
             for tenant, value in summed.items():
                 families[row.stem].add_metric([engine, snap.source, tenant], value)
     yield from families.values()

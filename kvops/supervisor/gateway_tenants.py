@@ -67,10 +67,10 @@ class GatewayTenants:
             listed = TenantStatsList.model_validate(gateway.client.get("/stats/tenants").raise_for_status().json())
         except (httpx.HTTPError, ValueError, ValidationError) as exc:
             gateway.errors += 1
-            error = f"{gateway.url}/stats/tenants: {type(exc).__name__}: {exc}"
-            if error.splitlines()[0] != gateway.last_error:
-                log.warning("gateway tenants not read", engine=name, error=error.splitlines()[0])
-            gateway.last_error = error.splitlines()[0]
+            error = f"{gateway.url}/stats/tenants: {type(exc).__name__}: {exc}".splitlines()[0]
+            if error != gateway.last_error:  # logged once while it keeps failing the same way
+                log.warning("gateway tenants not read", engine=name, error=error)
+            gateway.last_error = error
             return snap
         gateway.last_error = ""
         tenants = {t.tenant: tenant_stats(t.requests, t.prompt_tokens, t.cached_prompt_tokens)
