@@ -274,6 +274,25 @@ def test_tenant_pollution_on_vllm_names_the_salt_whose_stores_evict_the_others()
     assert not fired(history(lambda i, t: vllm(i, hits=1500, kv=events(i, tenants=mild))), "tenant_pollution")
 
 
+def test_tenant_pollution_on_vllm_behind_a_gateway_still_reads_the_events():
+    """A gateway's tenants (kvops.supervisor.gateway_tenants) carry requests and tokens, never evictions: the
+    polluter is still found in the KV events, as without the gateway."""
+    from kvops.supervisor.gateway_tenants import UNSEEN, tenant_stats
+
+    tenants = {"batch": {"stores_total": 30, "evicted_others_total": 10, "removed_total": 1},
+               "chat": {"stores_total": 10, "removed_total": 12}}
+
+    def behind_a_gateway(i: int, t: float) -> dict[str, Any]:
+        snap = vllm(i, hits=1500, kv=events(i, tenants=tenants))
+        seen = {"tenant:batch": tenant_stats({"200": 3 * i}, 3000 * i, 0),
+                "tenant:chat": tenant_stats({"200": i}, 1000 * i, 500 * i)}
+        return {**snap, "unknown": [f for f in snap["unknown"] if f != "tenants"] + list(UNSEEN),
+                "tenants": {name: stats.model_dump() for name, stats in seen.items()}}
+
+    [d] = fired(history(behind_a_gateway), "tenant_pollution")
+    assert d.subject == "batch" and d.evidence["evictions_caused"] == 120
+
+
 # ------------------------------------------------------------------ a healthy shared-prefix load
 
 

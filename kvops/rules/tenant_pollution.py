@@ -37,6 +37,7 @@ from kvops.rules.common import (
 )
 from kvops.schema.admin import SET_TENANT_QUOTA
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
+from kvops.schema.metrics import EACH
 from kvops.schema.snapshot import Snapshot
 
 RULE_ID = "tenant_pollution"
@@ -112,7 +113,9 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
     latest = fresh_latest(history, now, settings.max_snapshot_age_s)
     if latest is None:
         return []
-    if len(latest.tenants) < 2:  # no engine tenants (vLLM): the KV events' tenants, where there are events
+    # No engine tenants (vLLM), or tenants that carry no evictions (a gateway's): the KV events' tenants, where
+    # there are events.
+    if len(latest.tenants) < 2 or not latest.knows(f"tenants.{EACH}.evictions_caused"):
         return _from_events(history, settings, latest)
     span = run_span(latest, settings.window_s)
     snaps = covered_window(history, span, settings)

@@ -19,12 +19,16 @@ from pydantic import ValidationError
 
 from kvops.gateway.accounting import UNAUTHENTICATED, TenantStatsList
 from kvops.schema.engines import GatewayLink
+from kvops.schema.metrics import EACH
 from kvops.schema.snapshot import Snapshot, TenantStats
 
 log = structlog.get_logger("kvops.supervisor")
 
 TIMEOUT_S = 2.0  # a poll waits no longer for the gateway: the engine's snapshot is not held up by it
 TENANTS = "tenants"  # the snapshot field a source without tenants marks unknown
+# What a gateway cannot see of its tenants: their blocks and evictions are the engine's (for vLLM, its KV events).
+UNSEEN = tuple(f"{TENANTS}.{EACH}.{name}" for name in
+               ("blocks_held", "blocks_owned", "evictions_caused", "evictions_suffered"))
 
 
 @dataclass
@@ -76,7 +80,7 @@ class GatewayTenants:
         tenants = {t.tenant: tenant_stats(t.requests, t.prompt_tokens, t.cached_prompt_tokens)
                    for t in listed.tenants if t.tenant != UNAUTHENTICATED}  # refused before a tenant was known
         gateway.tenants = len(tenants)
-        unknown = [f for f in snap.unknown if f != TENANTS]
+        unknown = [*(f for f in snap.unknown if f != TENANTS), *UNSEEN]
         return snap.model_copy(update={"tenants": tenants, "unknown": unknown})
 
     def close(self) -> None:
@@ -86,7 +90,7 @@ class GatewayTenants:
 
 def tenant_stats(requests: Mapping[str, int], prompt_tokens: int, cached_tokens: int) -> TenantStats:
     """A gateway tenant as the snapshot's: requests answered (any status), prompt tokens, and the cached ones as
-    its hits. What the gateway cannot see (blocks held, evictions) stays at the schema's zero."""
+    its hits. What the gateway cannot see (blocks held, evictions) stays at the schema's zero, marked UNSEEN."""
     return TenantStats(requests_total=sum(requests.values()), prompt_tokens_total=prompt_tokens,
                        hit_tokens_total=cached_tokens,
                        hit_rate=round(cached_tokens / prompt_tokens, 4) if prompt_tokens else 0.0)
