@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel, Field
+
+from kvops.gateway.policy import TenantPolicy
+from kvops.gateway.shadow import Reuse
 
 UNAUTHENTICATED = "unauthenticated"
 # Time to first token on CPU engines runs from tens of milliseconds to minutes under load.
@@ -33,6 +37,13 @@ class TenantStats(BaseModel):
     ttft_sum_s: float = 0.0
     errors: dict[str, int] = Field(default_factory=dict, description="errors by reason")
     client_disconnects: int = 0
+    # What the supervisor's fixes through the gateway read and change (kvops.rules, docs/gateway.md).
+    estimated_tokens: int = Field(0, description="the token-rate limit's charges of the admitted requests")
+    prompt_chars: int = Field(0, description="characters of the admitted requests' text prompts")
+    reusable_prompt_chars: int = Field(0, description="... that a prefix cache of the prompts as sent would reuse "
+                                                      "(kvops/gateway/shadow.py)")
+    normalized_reusable_prompt_chars: int = Field(0, description="... of the same prompts whitespace-normalized")
+    policy: TenantPolicy | None = Field(default=None, description="the tenant's policy now")
 
 
 class TenantStatsList(BaseModel):
@@ -87,6 +98,11 @@ class Accounting:
         self.disconnects = Counter("kvops_gateway_client_disconnects", "clients that hung up before the answer ended",
                                    ["tenant"], registry=r)
         self.in_flight = Gauge("kvops_gateway_in_flight_requests", "requests in flight", ["tenant"], registry=r)
+        self.prompt_chars = Counter("kvops_gateway_prompt_chars", "characters of text prompts admitted", ["tenant"],
+                                    registry=r)
+        self.reusable_prompt_chars = Counter(
+            "kvops_gateway_reusable_prompt_chars", "prompt characters a prefix cache would reuse, of the prompts as "
+            "sent (normalized=\"false\") or whitespace-normalized (\"true\")", ["tenant", "normalized"], registry=r)
         self._lock = threading.Lock()
         self._stats: dict[str, TenantStats] = {}
 
@@ -127,6 +143,18 @@ class Accounting:
         with self._lock:
             self._tenant(tenant).client_disconnects += 1
 
+    def admitted(self, tenant: str, estimated_tokens: int, reuse: Reuse) -> None:
+        """A request past its limits: its charge, and what the shadow caches found of its prompt."""
+        self.prompt_chars.labels(tenant).inc(reuse.chars)
+        self.reusable_prompt_chars.labels(tenant, "false").inc(reuse.reused)
+        self.reusable_prompt_chars.labels(tenant, "true").inc(reuse.normalized_reused)
+        with self._lock:
+            stats = self._tenant(tenant)
+            stats.estimated_tokens += estimated_tokens
+            stats.prompt_chars += reuse.chars
+            stats.reusable_prompt_chars += reuse.reused
+            stats.normalized_reusable_prompt_chars += reuse.normalized_reused
+
     def started(self, tenant: str) -> None:
         self.in_flight.labels(tenant).inc()
         with self._lock:
@@ -137,10 +165,13 @@ class Accounting:
         with self._lock:
             self._tenant(tenant).in_flight -= 1
 
-    def snapshot(self) -> TenantStatsList:
+    def snapshot(self, policy: Callable[[str], TenantPolicy] | None = None) -> TenantStatsList:
+        """Every tenant seen so far, with its policy now when `policy` gives it."""
         with self._lock:
             tenants = [stats.model_copy(deep=True) for _, stats in sorted(self._stats.items())]
         for stats in tenants:
             if stats.prompt_tokens:
                 stats.cached_prompt_token_share = stats.cached_prompt_tokens / stats.prompt_tokens
+            if policy is not None and stats.tenant != UNAUTHENTICATED:
+                stats.policy = policy(stats.tenant)
         return TenantStatsList(time=time.time(), tenants=tenants)

@@ -55,7 +55,7 @@ def build_gateway_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/stats/tenants")
     async def tenant_stats() -> TenantStatsList:
-        return gateway.accounting.snapshot()
+        return gateway.accounting.snapshot(gateway.policies.policy)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from kvops.gateway.accounting import UNAUTHENTICATED, Usage
 from kvops.gateway.errors import GatewayError, error_response
 from kvops.gateway.limits import estimate_tokens
+from kvops.gateway.shadow import prompt_texts
 from kvops.gateway.shaping import Shaped, read_json_object, shape
 from kvops.gateway.state import Gateway
 from kvops.gateway.streaming import Relay, RelayResponse
@@ -63,9 +64,11 @@ async def relay_generation(gateway: Gateway, request: Request, path: str) -> Res
         tenant = gateway.tenant_of(request)
         body = await read_json_object(request, gateway.settings.max_body_bytes, gateway.settings.body_timeout_s)
         policy = gateway.policies.policy(tenant)
-        gateway.limits.admit(tenant, policy, estimate_tokens(body))
+        estimate = estimate_tokens(body)
+        gateway.limits.admit(tenant, policy, estimate)
     except GatewayError as exc:
         return refused(gateway, tenant, exc)
+    gateway.accounting.admitted(tenant, estimate, gateway.shadow.observe(policy.salt_for(tenant), prompt_texts(body)))
     gateway.accounting.started(tenant)
     release = _release_once(gateway, tenant)
     try:

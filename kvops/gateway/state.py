@@ -12,6 +12,7 @@ from kvops.gateway.accounting import Accounting
 from kvops.gateway.errors import GatewayError
 from kvops.gateway.limits import TenantLimits
 from kvops.gateway.policy import PolicyStore
+from kvops.gateway.shadow import ShadowReuse
 from kvops.gateway.upstream import Upstream
 
 DEFAULT_TENANT = "default"
@@ -34,6 +35,7 @@ class Gateway:
     settings: GatewaySettings = field(default_factory=GatewaySettings)
     limits: TenantLimits = field(default_factory=TenantLimits)
     accounting: Accounting = field(default_factory=Accounting)
+    shadow: ShadowReuse = field(default_factory=ShadowReuse)
 
     def tenant_of(self, request: Request) -> str:
         """The tenant of the request's API key; `default` without keys; 401 GatewayError without a valid key. The

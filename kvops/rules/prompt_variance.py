@@ -17,6 +17,11 @@ with a timestamp, a request id or whitespace changed. With a low hit rate, the l
 the differing positions and token ids, and normalization of those tokens is proposed (advice: the server
 cannot normalize). Without such a group the events say the variance is not the cause, and the low-hit note
 is not given (low_hit_cause names the cause). A kvops engine, which normalizes live, is unchanged.
+
+Behind a `kvops gateway` (`Snapshot.gateway`), the gateway measures what normalization would do: it keeps two
+simulated prefix caches of the prompt text, as sent and normalized (kvops/gateway/shadow.py). A tenant whose
+normalized prompts would share at least `min_gap` more of their text is named, and the fix turns normalization on
+for it on the gateway, live; the verdict reads the hit rate the engine reports (the tenant's cached tokens).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from kvops.rules.common import (
 from kvops.rules.no_prefix_hits import NEAR_ZERO_HIT_RATE
 from kvops.schema.admin import SET_NORMALIZATION
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
+from kvops.schema.gateway import gateway_fix
 from kvops.schema.kv_events import KvEventStats, RootVariant
 from kvops.schema.snapshot import Snapshot
 
@@ -56,6 +62,8 @@ class Settings(PrefixCacheRuleSettings):
     min_variant_roots: int = Field(4, ge=2, description="KV events: root blocks a group of variants needs")
     max_variant_positions: int = Field(8, ge=1, description="KV events: a group differing in more token positions "
                                                             "is not one prompt varied")
+    min_gateway_prompt_chars: int = Field(8192, ge=1, description="behind a kvops gateway: prompt characters a "
+                                                                  "tenant must send in the window to be judged")
 
 
 EXTERNAL_ADVICE = ("make shared prompt prefixes byte-identical (no timestamps, request ids or stray whitespace "
@@ -106,6 +114,10 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
         )]
 
     normalizes = profile_of(latest).can(Capability.LIVE_NORMALIZATION)
+    if not normalizes and latest.gateway is not None:
+        found = _through_gateway(history, settings, latest)
+        if found:
+            return found
     events = None if normalizes else usable_events(latest)
     if events is not None:  # a server without normalization whose root blocks kvops sees
         if hit_rate is None or queries < settings.min_queried_tokens or hit_rate > settings.shadow_probe_max_hit_rate:
@@ -170,3 +182,66 @@ def _root_variants(history: EngineHistory, settings: Settings, events: KvEventSt
         "variant_groups": len(groups),
         "window_s": round(span, 1),
     }, fix=Fix(kind=FixKind.REPORT, action="advice", description=advice))]
+
+
+def _gateway_normalization(snap: Snapshot) -> object:
+    # A tenant's normalization switched on or off changes what its shadow counters mean.
+    if snap.gateway is None:
+        return None
+    return frozenset(name for name, tenant in snap.gateway.tenants.items() if tenant.normalize)
+
+
+def _through_gateway(history: EngineHistory, settings: Settings, latest: Snapshot) -> list[Diagnosis]:
+    """Behind a kvops gateway: each tenant without normalization whose prompts, normalized, would share far more of
+    their prefixes than as sent (the gateway's two simulated prefix caches, kvops/gateway/shadow.py); the fix turns
+    normalization on for that tenant on the gateway, judged by the hit rate the engine itself reports."""
+    gateway = latest.gateway
+    span = covered_steady_span(history, latest, settings, _gateway_normalization)
+    if gateway is None or span is None:
+        return []
+    reported = any(t.hit_tokens_total for t in latest.tenants.values())  # the engine reports cached tokens
+    found: list[Diagnosis] = []
+    for name, policy in sorted(gateway.tenants.items()):
+        if policy.normalize:
+            continue
+
+        def counter(field: str, tenant: str = name) -> float:
+            return history.delta(lambda s: getattr(s.gateway.tenants[tenant], field)
+                                 if s.gateway is not None and tenant in s.gateway.tenants else 0, span) or 0.0
+
+        chars = counter("prompt_chars_total")
+        if chars < settings.min_gateway_prompt_chars:
+            continue
+        as_sent = counter("reusable_chars_total") / chars
+        normalized = counter("normalized_reusable_chars_total") / chars
+        gain = normalized - as_sent
+        if gain < settings.min_gap:
+            continue
+        prompts = history.delta(lambda s, t=name: s.tenants[t].prompt_tokens_total if t in s.tenants else 0, span)
+        hits = history.delta(lambda s, t=name: s.tenants[t].hit_tokens_total if t in s.tenants else 0, span)
+        hit_rate = hits / prompts if reported and prompts and hits is not None else None
+        predicted = min(1.0, hit_rate + gain) if hit_rate is not None else None
+        measured = (f"the engine hit {hit_rate:.0%} of its prompt tokens, about {predicted:.0%} expected with "
+                    f"normalization" if hit_rate is not None and predicted is not None else
+                    "the engine does not report its cached tokens per request")
+        summary = (f"tenant {name!r}: its prompts, whitespace-normalized, would share {normalized:.0%} of their text "
+                   f"with earlier prompts, as sent {as_sent:.0%} (+{gain:.0%}); {measured}")
+        # Judged on the engine's own numbers: the tenant's cached tokens where the engine reports them, else the
+        # engine's hit rate.
+        objective = (Objective(measure="tenant_hit_rate", better="higher", min_effect=settings.verify_min_change,
+                               subject=name) if reported else
+                     Objective(measure="hit_rate", better="higher", min_effect=settings.verify_min_change))
+        found.append(diagnosis(history, RULE_ID, TITLE, Severity.WARNING, summary, {
+            "normalization": "gateway",
+            "tenant": name,
+            "prompt_chars": int(chars),
+            "reusable_share": round(as_sent, 4),
+            "normalized_reusable_share": round(normalized, 4),
+            "gap": round(gain, 4),
+            "hit_rate": None if hit_rate is None else round(hit_rate, 4),
+            "predicted_hit_rate": None if predicted is None else round(predicted, 4),
+            "window_s": round(span, 1),
+        }, fix=gateway_fix(name, {"normalize": True}, f"turn whitespace normalization on for tenant {name!r} on the "
+                           f"gateway: its normalized prompts would share {gain:.0%} more of their text", [objective]),
+            subject=name))
+    return found

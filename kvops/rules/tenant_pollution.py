@@ -12,7 +12,10 @@ A server without kvops's tenants but with KV cache events (vLLM: a tenant is a c
 batches where a tenant stored (`TenantBlocks.evicted_others_total`). A tenant whose stores account for at
 least `min_events_pollution_share` of the removals of the others' blocks over the window, and at least
 `min_evictions_caused` of them, is named; the server has no per-tenant quota or hit counters, so the fix is
-advice and the victims' hit rate is not checked.
+advice and the victims' hit rate is not checked. Behind a `kvops gateway` (`Snapshot.gateway`) whose isolated
+tenant the polluter is (salt `tenant:<name>`), the fix is a token-rate limit on that tenant, set live on the
+gateway, judged by the other tenants' hit rate (the engine's cached tokens in the usage the gateway counts) and by
+the removals its stores cause.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from kvops.rules.common import (
 )
 from kvops.schema.admin import SET_TENANT_QUOTA
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
+from kvops.schema.gateway import gateway_fix
 from kvops.schema.metrics import EACH
 from kvops.schema.snapshot import Snapshot
 
@@ -64,6 +68,10 @@ class Settings(WindowRuleSettings):
     min_events_pollution_share: float = Field(
         0.5, gt=0, le=1, description="KV events: the tenant's stores account for at least this share of the removals "
                                      "of other tenants' blocks in the window")
+    gateway_rate_share: float = Field(
+        0.25, gt=0, lt=1, description="behind a kvops gateway: the polluter's token-rate limit is this share of its "
+                                      "estimated token rate over the window")
+    min_tokens_per_minute: int = Field(600, ge=1, description="... and never below this many tokens a minute")
 
 
 def _tenant(field: str, tenants: tuple[str, ...]) -> Getter:
@@ -212,6 +220,7 @@ def _from_events(history: EngineHistory, settings: Settings, latest: Snapshot) -
         stores = counter(tenant, "stores_total")
         victims = [t for t in names if t != tenant and removed[t] > 0]
         stats = events.tenants[tenant]
+        limit = _gateway_limit(history, settings, latest, tenant, span)
         summary = (f"tenant {tenant!r}'s stores came with {caused:.0f} removals of other tenants' cached blocks in "
                    f"{span:.0f} s, {share:.0%} of all removals of theirs ({', '.join(victims)})")
         diagnoses.append(diagnosis(
@@ -228,11 +237,47 @@ def _from_events(history: EngineHistory, settings: Settings, latest: Snapshot) -
                 "tenant_resident_blocks": stats.resident,
                 "tenants": len(names),
                 "window_s": round(span, 1),
+                **(limit[1] if limit is not None else {}),
             },
-            fix=Fix(kind=FixKind.REPORT, action="advice",
-                    description=f"serve tenant {tenant!r} from its own engine (or pool), or cap its traffic: the "
-                                f"server has no per-tenant KV quota, and its {stores:.0f} blocks stored in the window "
-                                f"push the other tenants' cached prefixes out"),
+            fix=limit[0] if limit is not None else Fix(
+                kind=FixKind.REPORT, action="advice",
+                description=f"serve tenant {tenant!r} from its own engine (or pool), or cap its traffic: the server "
+                            f"has no per-tenant KV quota, and its {stores:.0f} blocks stored in the window push the "
+                            f"other tenants' cached prefixes out"),
             subject=tenant,
         ))
     return diagnoses
+
+
+def _gateway_limit(history: EngineHistory, settings: Settings, latest: Snapshot, events_tenant: str,
+                   span: float) -> tuple[Fix, dict[str, int | float | str | None]] | None:
+    """Behind a kvops gateway, where the polluter is one of its isolated tenants: a token-rate limit at a share of
+    what it sent over the window (the gateway's own estimate, the unit its limiter counts in), tighter than any it
+    has; its fix and evidence. None without a gateway tenant to limit."""
+    gateway = latest.gateway
+    tenant = gateway.tenant_of_salt(events_tenant) if gateway is not None else None
+    if gateway is None or tenant is None:
+        return None
+
+    def charged(snap: Snapshot) -> float:
+        found = snap.gateway.tenants.get(tenant) if snap.gateway is not None else None
+        return found.estimated_tokens_total if found is not None else 0
+
+    per_minute = (history.delta(charged, span) or 0.0) * 60 / span
+    current = gateway.tenants[tenant].tokens_per_minute
+    limit = max(settings.min_tokens_per_minute, math.floor(settings.gateway_rate_share * per_minute))
+    if current is not None and limit >= current:
+        limit = max(settings.min_tokens_per_minute, current // 2)  # the current limit did not stop it: tighten
+        if limit >= current:
+            return None
+    fix = gateway_fix(
+        tenant, {"tokens_per_minute": limit},
+        f"limit gateway tenant {tenant!r} to {limit} tokens a minute (it sent about {per_minute:.0f} a minute in the "
+        f"window): fewer of its blocks stored, fewer of the other tenants' cached prefixes pushed out",
+        # The others' hit rate (the engine's cached tokens, per the gateway's tenants) must recover, and its stores
+        # evict less of theirs, as the KV events count it.
+        [Objective(measure="victims_hit_rate", better="higher", subject=tenant),
+         Objective(measure="events_evictions_caused_per_s", better="lower", min_effect=settings.verify_min_change,
+                   subject=events_tenant)])
+    return fix, {"gateway_tenant": tenant, "gateway_tokens_per_minute": round(per_minute, 1),
+                 "current_tokens_per_minute": current, "tokens_per_minute": limit}

@@ -24,6 +24,7 @@ class FixKind(enum.StrEnum):
     ADMIN = "admin"  # a live change through the engine's admin API
     RESTART = "restart"  # a managed restart with a changed engine config (drained first)
     REPORT = "report"  # nothing kvops can change itself: the fix text is advice for a person
+    GATEWAY = "gateway"  # a live change of a tenant's policy through the `kvops gateway` in front of the engine
 
 
 class Objective(BaseModel):
@@ -41,7 +42,7 @@ class Fix(BaseModel):
 
     kind: FixKind
     action: str  # admin: set_normalization | set_prefix_caching | set_eviction_policy | set_tenant_quota;
-    # restart: restart_engine; report: advice
+    # restart: restart_engine; gateway: set_gateway_policy; report: advice
     params: dict[str, Any] = Field(default_factory=dict)  # e.g. {"mode": "on"}, {"block_size": 32}
     description: str  # one sentence a person can act on, with the numbers
     # What it must move for kvops to keep it: every objective must improve (and the guards of

@@ -11,6 +11,7 @@ import re
 
 from pydantic import BaseModel, Field
 
+from kvops.schema.gateway import GatewayView
 from kvops.schema.histogram import (  # noqa: F401  (re-exported: the snapshot's readers import them from here)
     HISTOGRAM_PERCENTILES,
     Histogram,
@@ -279,6 +280,8 @@ class Snapshot(BaseModel):
     kv_events: KvEventStats | None = None
     # The engine's own sampled block residency histograms (vLLM's --kv-cache-metrics); None: not reported.
     residency: BlockResidency | None = None
+    # The `kvops gateway` in front of the engine, where the supervisor reads one; None: none.
+    gateway: GatewayView | None = None
 
     def knows(self, path: str) -> bool:
         """False when `path` (or a field containing it) is among the fields the source does not report."""

@@ -34,6 +34,7 @@ from kvops.schema.verdict import Verdict, VerdictKind
 from kvops.supervisor.audit import AuditLog
 from kvops.supervisor.fix_runner import JobRunner
 from kvops.supervisor.fix_state import MAX_BEFORE_SNAPSHOTS, PENDING, FixJob, FixStateFile, FixStateStore, LastGood
+from kvops.supervisor.gateway_admin import GatewayAdmin
 from kvops.supervisor.judge import DEFAULT_SETTINGS, JudgeSettings, judge
 from kvops.supervisor.managed_engine import ManagedEngine
 
@@ -49,6 +50,7 @@ class Target:
     client: EngineClient
     managed: ManagedEngine | None
     history: EngineHistory
+    gateway: GatewayAdmin | None = None  # the `kvops gateway` in front of the engine, where there is one
 
 
 class FixError(Exception):
@@ -140,11 +142,14 @@ class FixJobs:
             job.set_phase("restarting: waiting for health", now,
                           target.managed.spec.drain_timeout_s + target.managed.spec.health_timeout_s)
         else:
-            job.set_phase("calling the admin API", now)
+            job.set_phase("calling the gateway's admin API" if job.fix.kind is FixKind.GATEWAY
+                          else "calling the admin API", now)
         self.record(job, "applying", message=job.phase)
         try:
             if restart:
                 self._restart(job, target)
+            elif job.fix.kind is FixKind.GATEWAY:
+                self._through_gateway(job, target.gateway)
             else:
                 self._admin(job, target.client)
         except EngineUnreachable as exc:
@@ -169,6 +174,20 @@ class FixJobs:
         after = client.admin(action.name, change.params)
         # The knobs the action changed as the engine reports them; for a tenant (no top-level knob) what was sent.
         job.after = {k: after.get(k) for k in after if k in change.before} or change.params
+
+    def _through_gateway(self, job: FixJob, gateway: GatewayAdmin | None) -> None:
+        """A tenant's policy changed on the gateway: the changed fields' values before it are the undo."""
+        if gateway is None:
+            raise FixError(f"this fix changes a tenant's policy on the engine's gateway, and engine {job.engine!r} has "
+                           "none ([engines.gateway] in its config)")
+        tenant = str(job.fix.params["tenant"])
+        change = {k: v for k, v in job.fix.params.items() if k != "tenant"}
+        policy = gateway.policy(tenant)
+        job.before = {"tenant": tenant, **{k: policy.get(k) for k in change}}
+        job.sent, job.undo = dict(job.fix.params), dict(job.before)
+        self.save()  # a crash between here and the answer: the undo is known
+        after = gateway.set_policy(tenant, change)
+        job.after = {"tenant": tenant, **{k: after.get(k) for k in change}}
 
     def _restart(self, job: FixJob, target: Target) -> None:
         managed = target.managed
@@ -225,16 +244,18 @@ class FixJobs:
     def _reapply(self, job: FixJob, target: Target) -> bool:
         """Resumed after a supervisor restart on a managed engine (it restarted with the supervisor): wait for it,
         re-send an admin change (a fresh process forgot it; a restart fix's settings are its args already),
-        then judge on a fresh window."""
-        if target.managed is not None:
-            job.set_phase("resuming: waiting for the engine", self.clock(), target.managed.spec.health_timeout_s)
-            try:
+        then judge on a fresh window. A gateway fix is sent again to the gateway, managed engine or not."""
+        try:
+            if target.managed is not None:
+                job.set_phase("resuming: waiting for the engine", self.clock(), target.managed.spec.health_timeout_s)
                 target.managed.wait_healthy()
                 if job.fix.kind is FixKind.ADMIN:
                     target.client.admin(job.fix.action, job.sent)
-            except EngineUnreachable as exc:
-                self._fail(job, target, f"could not resume after a supervisor restart: {exc}")
-                return False
+            if job.fix.kind is FixKind.GATEWAY:  # a gateway started again forgot its live policy changes
+                self._resend_to_gateway(job, target)
+        except EngineUnreachable as exc:
+            self._fail(job, target, f"could not resume after a supervisor restart: {exc}")
+            return False
         self._start_window(job)
         return True
 
@@ -288,8 +309,20 @@ class FixJobs:
         if target.managed is not None:  # a managed engine that died comes back (poll loop): wait for it
             job.set_phase("waiting for the engine to answer", self.clock(), target.managed.spec.health_timeout_s)
             target.managed.wait_healthy()
+        if job.fix.kind is FixKind.GATEWAY:
+            if target.gateway is None:
+                raise FixError("the engine no longer has a gateway")
+            undo = {k: v for k, v in job.undo.items() if k != "tenant"}
+            target.gateway.set_policy(str(job.undo["tenant"]), undo)
+            return job.before
         target.client.admin(job.fix.action, job.undo)
         return job.before
+
+    @staticmethod
+    def _resend_to_gateway(job: FixJob, target: Target) -> None:
+        if target.gateway is None:
+            raise EngineUnreachable("the engine no longer has a gateway")
+        target.gateway.set_policy(str(job.sent["tenant"]), {k: v for k, v in job.sent.items() if k != "tenant"})
 
     def _undo_or_retry(self, job: FixJob, target: Target, action: str, message: str, verdict: Verdict | None) -> None:
         job.verdict, job.message = verdict, message

@@ -106,7 +106,7 @@ class FixManager:
                     continue
                 job.state, job.undo_action = "reverting", "failed"
                 job.message = "interrupted while applying (the supervisor restarted)"
-            elif job.state == "verifying" and managed:
+            elif job.state == "verifying" and (managed or job.fix.kind is FixKind.GATEWAY):
                 job.reapply = True  # the engine restarted with the supervisor: re-establish, then a fresh window
                 if job.fix.kind is FixKind.RESTART:
                     managed_args[job.engine][1](dict(job.after))
@@ -174,6 +174,14 @@ class FixManager:
         if fix is None or fix.kind is FixKind.REPORT:
             return f"{diagnosis.rule} proposes no fix kvops can apply"
         target = self.targets(diagnosis.engine)
+        if fix.kind is FixKind.GATEWAY:
+            if target.gateway is None:
+                return (f"{fix.action} changes a tenant's policy on the engine's gateway, and engine "
+                        f"{diagnosis.engine!r} has none: put `kvops gateway` in front of it ([engines.gateway])")
+            if target.gateway.admin_token is None:
+                return (f"{fix.action} needs the gateway's admin token, and none is known (admin_token_env in "
+                        "[engines.gateway])")
+            return ""
         if fix.kind is FixKind.ADMIN:
             action = ADMIN_ACTIONS.get(fix.action)
             if action is None:

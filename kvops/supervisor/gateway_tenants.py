@@ -18,7 +18,9 @@ import structlog
 from pydantic import ValidationError
 
 from kvops.gateway.accounting import UNAUTHENTICATED, TenantStatsList
+from kvops.gateway.accounting import TenantStats as GatewayTenantStats
 from kvops.schema.engines import GatewayLink
+from kvops.schema.gateway import GatewayTenant, GatewayView
 from kvops.schema.metrics import EACH
 from kvops.schema.snapshot import Snapshot, TenantStats
 
@@ -63,9 +65,10 @@ class GatewayTenants:
                            error=gateway.last_error)
 
     def enrich(self, name: str, snap: Snapshot) -> Snapshot:
-        """The snapshot with the gateway's tenants, when the engine has a gateway and reports no tenants itself."""
+        """The snapshot with the gateway's view (each tenant's policy and counters), and with its tenants where the
+        engine reports none itself."""
         gateway = self._gateways.get(name)
-        if gateway is None or snap.knows(TENANTS):
+        if gateway is None:
             return snap
         try:
             listed = TenantStatsList.model_validate(gateway.client.get("/stats/tenants").raise_for_status().json())
@@ -77,11 +80,14 @@ class GatewayTenants:
             gateway.last_error = error
             return snap
         gateway.last_error = ""
-        tenants = {t.tenant: tenant_stats(t.requests, t.prompt_tokens, t.cached_prompt_tokens)
-                   for t in listed.tenants if t.tenant != UNAUTHENTICATED}  # refused before a tenant was known
-        gateway.tenants = len(tenants)
+        known = [t for t in listed.tenants if t.tenant != UNAUTHENTICATED]  # refused before a tenant was known
+        gateway.tenants = len(known)
+        view = GatewayView(url=gateway.url, tenants={t.tenant: gateway_tenant(t) for t in known})
+        if snap.knows(TENANTS):  # a kvops engine: its own tenants are the cache's
+            return snap.model_copy(update={"gateway": view})
+        tenants = {t.tenant: tenant_stats(t.requests, t.prompt_tokens, t.cached_prompt_tokens) for t in known}
         unknown = [*(f for f in snap.unknown if f != TENANTS), *UNSEEN]
-        return snap.model_copy(update={"tenants": tenants, "unknown": unknown})
+        return snap.model_copy(update={"tenants": tenants, "unknown": unknown, "gateway": view})
 
     def close(self) -> None:
         for gateway in self._gateways.values():
@@ -94,3 +100,16 @@ def tenant_stats(requests: Mapping[str, int], prompt_tokens: int, cached_tokens:
     return TenantStats(requests_total=sum(requests.values()), prompt_tokens_total=prompt_tokens,
                        hit_tokens_total=cached_tokens,
                        hit_rate=round(cached_tokens / prompt_tokens, 4) if prompt_tokens else 0.0)
+
+
+RATE_LIMITED = ("concurrency_limit", "token_rate_limit")  # the gateway's 429 reasons
+
+
+def gateway_tenant(stats: GatewayTenantStats) -> GatewayTenant:
+    """A gateway tenant's policy and counters as the snapshot's gateway view carries them."""
+    policy = stats.policy.model_dump() if stats.policy is not None else {}
+    return GatewayTenant(**policy, estimated_tokens_total=stats.estimated_tokens,
+                         prompt_chars_total=stats.prompt_chars, reusable_chars_total=stats.reusable_prompt_chars,
+                         normalized_reusable_chars_total=stats.normalized_reusable_prompt_chars,
+                         rate_limited_total=sum(stats.errors.get(reason, 0) for reason in RATE_LIMITED),
+                         client_disconnects_total=stats.client_disconnects)

@@ -128,15 +128,51 @@ def _evictions_caused(snaps: Sequence[Snapshot], subject: str) -> float | None:
     return _ratio(delta(snaps, _tenant_sum("evictions_caused", mine)), duration(snaps))
 
 
+def _tenant_hit_rate(snaps: Sequence[Snapshot], subject: str) -> float | None:
+    """One tenant's hit rate: its cached prompt tokens over its prompt tokens (a kvops engine's tenants, or a
+    gateway's, whose numbers are the engine's own usage answers)."""
+    if not _knows(snaps, "tenants"):
+        return None
+
+    def mine(name: str) -> bool:
+        return name == subject
+
+    return _ratio(delta(snaps, _tenant_sum("hit_tokens_total", mine)),
+                  delta(snaps, _tenant_sum("prompt_tokens_total", mine)))
+
+
+def _events_pairs(snaps: Sequence[Snapshot]) -> list[tuple[Snapshot, Snapshot]]:
+    """Consecutive snapshots that both carry the KV event view (one without it would read as a counter reset)."""
+    return [(a, b) for a, b in _pairs(snaps) if a.kv_events is not None and b.kv_events is not None]
+
+
+def _events_evictions_caused(snaps: Sequence[Snapshot], subject: str) -> float | None:
+    """Removals of other tenants' blocks per second in the KV event batches where `subject` (an events tenant: a
+    cache salt) stored: what its traffic pushes out of the others' cache."""
+    pairs = _events_pairs(snaps)
+    if not pairs:
+        return None
+
+    def caused(snap: Snapshot) -> int:
+        events = snap.kv_events
+        tenant = events.tenants.get(subject) if events is not None else None
+        return tenant.evicted_others_total if tenant is not None else 0
+
+    total = 0.0
+    for a, b in pairs:
+        before, after = caused(a), caused(b)
+        total += after - before if after >= before else after
+    return _ratio(total, sum(b.time - a.time for a, b in pairs))
+
+
 def _restore_share(snaps: Sequence[Snapshot], subject: str) -> float | None:
     """Blocks stored again after their eviction over blocks stored (the KV events, `Snapshot.kv_events`): the
     share of cached work recomputed. Only intervals whose two snapshots both carry the events count (one
     without them would read as a counter reset)."""
     stores = restores = 0.0
-    for a, b in _pairs(snaps):
-        if a.kv_events is None or b.kv_events is None:
-            continue
+    for a, b in _events_pairs(snaps):
         before, after = a.kv_events, b.kv_events
+        assert before is not None and after is not None  # _events_pairs keeps only those
         stored = after.stores_total - before.stores_total
         restored = after.restores_total - before.restores_total
         # kvops restarted its reading in between (the counters start again): count from zero, like `delta`.
@@ -243,6 +279,8 @@ VALUES: dict[str, Value] = {
     "kv_usage_max": _kv_usage_max,
     "overcommit": _overcommit,
     "kv_restore_share": _restore_share,
+    "tenant_hit_rate": _tenant_hit_rate,
+    "events_evictions_caused_per_s": _events_evictions_caused,
 }
 
 
