@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 from waiting import wait_for
 
+from kvops.gateway.errors import GatewayError
 from kvops.gateway.limits import TenantLimits, estimate_tokens
 from kvops.gateway.policy import PolicyStore, TenantPolicy, TenantPolicyUpdate, load_policy_file
 from kvops.gateway.streaming import event_usage, split_events
@@ -84,6 +85,27 @@ def test_token_bucket_admits_until_empty_then_says_when_to_retry() -> None:
     limits.admit("t", policy, 1)
     assert limits.in_flight["t"] == 3
     limits.admit("other", policy, 1)  # buckets are per tenant
+
+
+def test_a_limit_set_on_a_busy_tenant_counts_its_last_minute() -> None:
+    """A limit put on a flooding tenant holds at once: its bucket starts at the limit less the last minute's charges."""
+    now = [0.0]
+    limits = TenantLimits(clock=lambda: now[0])
+    unlimited, limited = TenantPolicy(), TenantPolicy(tokens_per_minute=600)
+    for second in range(0, 50, 10):  # 5 x 200 tokens in the last minute, no limit yet
+        now[0] = float(second)
+        limits.admit("flood", unlimited, 200)
+    now[0] = 55.0
+    with pytest.raises(GatewayError) as refused:
+        limits.admit("flood", limited, 200)  # 1000 charged in the minute before: the bucket starts empty
+    assert refused.value.status == 429 and refused.value.reason == "token_rate_limit"
+    limits.admit("quiet", limited, 200)  # a tenant with no recent charges starts full
+    limits.admit("quiet", limited, 200)
+    now[0] = 56.0  # refilled 10 tokens a second from empty
+    limits.admit("flood", limited, 200)
+    limits.reset("flood")  # a changed limit: 1200 charged in (-4 s, 56 s], the new 1200 leaves 0: refused again
+    with pytest.raises(GatewayError, match="over its limit of 1200 tokens per minute"):
+        limits.admit("flood", TenantPolicy(tokens_per_minute=1200), 1)
 
 
 def test_concurrency_limit_counts_in_flight_requests() -> None:

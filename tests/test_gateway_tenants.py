@@ -61,7 +61,8 @@ def test_a_gateways_tenants_reach_the_snapshot_the_metrics_and_the_api(tmp_path:
             assert _samples(text, "kvops_engine_tenant_prompt_tokens_total") == {"team-a": 20, "team-b": 10}
             assert _samples(text, "kvops_engine_tenant_prefix_hit_tokens_total") == {"team-a": 8, "team-b": 4}
             entry = TestClient(build_supervisor_app(sup)).get("/api/engines").json()[0]
-            assert entry["gateway"] == {"url": url, "tenants": 2, "errors_total": 0, "error": ""}
+            assert entry["gateway"] == {"url": url, "tenants": 2, "errors_total": 0, "error": "", "managed": False,
+                                        "pid": None, "starts": 0, "last_exit": "", "admin": False}
         finally:
             sup.stop()
     # The gateway is gone: the next poll reads the engine as before, without tenants, and says why.

@@ -82,8 +82,8 @@ class _Process:
     results: dict[str, ScenarioResult]
 
 
-def _run_process(names: tuple[str, ...], report: Path) -> _Process:
-    command = [sys.executable, "-m", "kvops", "scenario", "run", *names, "--json", str(report)]
+def _run_process(names: tuple[str, ...], report: Path, engine: str = "kvops") -> _Process:
+    command = [sys.executable, "-m", "kvops", "scenario", "run", *names, "--json", str(report), "--engine", engine]
     machine_before, children_before = psutil.cpu_times(), resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True, timeout=SCENARIO_TIMEOUT_S * len(names),

@@ -56,6 +56,13 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds SIGTERM waits for in-flight requests (default: %(default)s)")
 
 
+def gateway_flags() -> list[str]:
+    """Every `kvops gateway` flag, as the snake_case name [engines.gateway] args use."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_gateway_args(parser)
+    return list(vars(parser.parse_args(["--upstream", "http://127.0.0.1:8000"])))
+
+
 def parse_listen(listen: str) -> tuple[str, int]:
     host, sep, port = listen.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:

@@ -271,12 +271,14 @@ def _error_message(response: httpx.Response) -> str:
         return response.text[:200] or response.reason_phrase
 
 
-def check_engine(url: str, model: str, timeout_s: float = 5.0) -> None:
-    """Fail fast, with a message a person can act on, if `url` is not an engine serving `model`."""
+def check_engine(url: str, model: str, timeout_s: float = 5.0, api_key: str | None = None) -> None:
+    """Fail fast, with a message a person can act on, if `url` is not an engine serving `model` (asked with
+    `api_key` where the engine, or a gateway in front of it, wants one)."""
     if not re.match(r"https?://[^/\s]+", url):
         raise LoadError(f"{url!r} is not an http(s) URL: write e.g. http://127.0.0.1:8000")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     try:
-        response = httpx.get(f"{url}/v1/models", timeout=timeout_s, trust_env=False)
+        response = httpx.get(f"{url}/v1/models", timeout=timeout_s, trust_env=False, headers=headers)
     except httpx.HTTPError as exc:
         reason = str(exc) or type(exc).__name__
         raise LoadError(f"cannot reach the engine at {url} ({reason}): is it running? Start one with "
@@ -296,7 +298,8 @@ def check_engine(url: str, model: str, timeout_s: float = 5.0) -> None:
 
 def _prepare(url: str, spec: LoadSpec, progress: bool, stop: threading.Event | None) -> Runner:
     url = url.rstrip("/")
-    check_engine(url, spec.model)
+    key = next((_api_key(stream.api_key_env) for stream in spec.streams if stream.api_key_env), None)
+    check_engine(url, spec.model, api_key=key)
     builder = PromptBuilder(load_tokenizer(spec.tokenizer), spec.seed)
     return Runner(url, spec, builder, progress, stop)
 

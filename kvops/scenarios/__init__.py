@@ -1,5 +1,7 @@
 """Fault scenarios: one per diagnosis, each reproducing the fault on the real engine under the
-supervisor and checking the whole loop (see docs/scenarios.md). `kvops scenario run NAME`."""
+supervisor and checking the whole loop (see docs/scenarios.md). `kvops scenario run NAME`; those that also run on
+the real vLLM behind the gateway have a module of their own for it (`ENGINE = "vllm"`):
+`kvops scenario run NAME --engine vllm`."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from kvops.scenarios.runner import ScenarioResult
 MODULES = (
     "s01_capacity", "s02_oom_runtime", "s03_block_size", "s04_tenant_pollution", "s05_prompt_variance",
     "s06_prefix_caching_off", "s07_swap_storm", "s08_kv_quant_error", "s09_crash_loop", "s10_clean",
+    "s04_tenant_pollution_vllm", "s05_prompt_variance_vllm",
 )
+ENGINES = ("kvops", "vllm")
 
 
 @dataclass(frozen=True)
@@ -20,9 +24,11 @@ class Scenario:
     name: str
     title: str
     run: Callable[[], ScenarioResult]
+    engine: str = "kvops"
 
 
-def scenarios() -> dict[str, Scenario]:
+def scenarios(engine: str = "kvops") -> dict[str, Scenario]:
+    """The scenarios that run on `engine` (kvops's own, or vllm), by name."""
     found: dict[str, Scenario] = {}
     for module_name in MODULES:
         try:
@@ -31,5 +37,7 @@ def scenarios() -> dict[str, Scenario]:
             if exc.name != f"kvops.scenarios.{module_name}":
                 raise
             continue
-        found[module.NAME] = Scenario(module.NAME, module.TITLE, module.run)
+        runs_on = getattr(module, "ENGINE", "kvops")
+        if runs_on == engine:
+            found[module.NAME] = Scenario(module.NAME, module.TITLE, module.run, runs_on)
     return found

@@ -9,7 +9,7 @@ import time
 import traceback
 from pathlib import Path
 
-from kvops.scenarios import scenarios
+from kvops.scenarios import ENGINES, scenarios
 from kvops.scenarios.runner import ScenarioResult
 
 
@@ -30,12 +30,16 @@ def render(results: list[ScenarioResult]) -> str:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="kvops scenario", description="Reproduce each diagnosis on the real engine.")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("list", help="the scenarios")
+    listed = commands.add_parser("list", help="the scenarios")
     run = commands.add_parser("run", help="run scenarios (names, or all)")
     run.add_argument("names", nargs="+")
     run.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    for command in (listed, run):
+        command.add_argument("--engine", choices=ENGINES, default="kvops",
+                             help="kvops's own engine, or vLLM's CPU build behind `kvops gateway` (needs `kvops vllm "
+                                  "setup`) (default: %(default)s)")
     args = parser.parse_args(argv)
-    found = scenarios()
+    found = scenarios(args.engine)
     if args.command == "list":
         for scenario in found.values():
             print(f"{scenario.name:24} {scenario.title}")
@@ -43,7 +47,14 @@ def main(argv: list[str]) -> int:
     names = list(found) if args.names == ["all"] else args.names
     unknown = [n for n in names if n not in found]
     if unknown:
-        parser.error(f"unknown scenario {unknown[0]!r}; scenarios: {', '.join(found)}")
+        parser.error(f"unknown scenario {unknown[0]!r} on engine {args.engine}; scenarios: {', '.join(found)}")
+    if args.engine == "vllm":
+        from kvops.scenarios.on_vllm import vllm_missing
+
+        missing = vllm_missing()
+        if missing:
+            print(f"kvops scenario: {missing}", file=sys.stderr)
+            return 2
     results = []
     for name in names:
         print(f"[kvops scenario] {name}: {found[name].title}", file=sys.stderr, flush=True)

@@ -66,12 +66,18 @@ class ScenarioContext:
 
     def __init__(self, engine_args: dict[str, Any], rules: dict[str, Any] | None = None,
                  supervisor: dict[str, Any] | None = None, restart: dict[str, Any] | None = None,
-                 state_dir: Path | None = None, wait_ready: bool = True, drain_timeout_s: float = 10.0) -> None:
+                 state_dir: Path | None = None, wait_ready: bool = True, drain_timeout_s: float = 10.0,
+                 kind: str = "kvops", gateway: dict[str, Any] | None = None) -> None:
+        """A managed engine of `kind` (kvops or vllm) with `engine_args`; `gateway`: an [engines.gateway] table, a
+        `kvops gateway` the supervisor starts in front of it."""
         self._tmp = tempfile.TemporaryDirectory(prefix="kvops-scenario-") if state_dir is None else None
         state = Path(self._tmp.name) if self._tmp else state_dir
-        engine: dict[str, Any] = {"name": ENGINE, "args": engine_args, "drain_timeout_s": drain_timeout_s}
+        self.state_dir = state
+        engine: dict[str, Any] = {"name": ENGINE, "kind": kind, "args": engine_args, "drain_timeout_s": drain_timeout_s}
         if restart:
             engine["restart"] = restart
+        if gateway is not None:
+            engine["gateway"] = gateway
         self.config = parse_config({
             # Short windows to keep scenarios short: fixes are judged on 10 s before and after, with at least
             # 10 requests in each (the defaults: 60 s and 20).
@@ -86,9 +92,32 @@ class ScenarioContext:
 
     def __enter__(self) -> ScenarioContext:
         self.sup.start()
-        if self._wait_ready:
-            self.wait_until("the engine to answer", lambda: self.history.is_up and self.latest is not None, 240)
+        try:
+            if self._wait_ready:
+                # A vLLM's first start on 2 CPUs takes minutes (docs/vllm.md); a kvops engine's seconds.
+                self.wait_until("the engine to answer", lambda: self.history.is_up and self.latest is not None, 480)
+            if self._wait_ready and self.state.gateway is not None:
+                self.wait_until("the gateway to answer", self._gateway_up, 60)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         return self
+
+    def _gateway_up(self) -> bool:
+        import httpx  # only the gateway scenarios ask
+
+        try:
+            return httpx.get(f"{self.gateway_url}/health", timeout=2, trust_env=False).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    @property
+    def gateway_url(self) -> str:
+        """The base URL of the gateway the supervisor started in front of the engine (clients send through it)."""
+        handle = self.state.gateway
+        if handle is None or not handle.url:
+            raise RuntimeError("this scenario's engine has no gateway")
+        return str(handle.url)
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         self.sup.stop()

@@ -27,6 +27,11 @@ class GatewayLink(BaseModel):
     tenants: int = 0  # tenants in its last /stats/tenants
     errors_total: int = 0  # reads that failed
     error: str = ""  # the last failure, "" once a read succeeds
+    managed: bool = False  # kvops started it ([engines.gateway] without url)
+    pid: int | None = None  # a managed gateway's process, while it runs
+    starts: int = 0  # a managed gateway's starts (restarts after an exit included)
+    last_exit: str = ""  # how a managed gateway last exited
+    admin: bool = False  # kvops knows its admin token: fixes can go through it
 
 
 class EngineEntry(BaseModel):

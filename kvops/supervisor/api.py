@@ -149,7 +149,7 @@ def _add_watch_routes(app: FastAPI, sup: Supervisor) -> None:
     async def engines() -> list[dict[str, Any]]:
         now = sup.clock()
         return [_engine_entry(name, state).model_copy(update={"events": sup.event_feeds.health(name, now),
-                                                              "gateway": sup.gateway_tenants.status(name)})
+                                                              "gateway": sup.gateway_status(name)})
                 .model_dump(mode="json") for name, state in sup.engines.items()]
 
     @app.get("/api/engines/{name}/logs")

