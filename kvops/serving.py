@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Iterator
 
 import uvicorn
-from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 
 class _DrainingServer(uvicorn.Server):
@@ -20,7 +20,7 @@ class _DrainingServer(uvicorn.Server):
             self._captured_signals.clear()
 
 
-def serve(app: FastAPI, host: str, port: int, drain_timeout_s: float, timeout_keep_alive_s: int = 5,
+def serve(app: ASGIApp, host: str, port: int, drain_timeout_s: float, timeout_keep_alive_s: int = 5,
           limit_concurrency: int | None = None) -> int:
     """Run the app until SIGTERM/SIGINT: stop accepting, finish in-flight requests, drain, exit 0.
     `timeout_keep_alive_s` closes an idle keep-alive connection (uvicorn's default, 5 s); `limit_concurrency`

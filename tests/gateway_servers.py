@@ -34,7 +34,7 @@ ADMIN_TOKEN = "admin-token-0123456789"
 
 
 @contextmanager
-def serving(app: FastAPI) -> Iterator[str]:
+def serving(app: Any) -> Iterator[str]:
     """`app` on a free 127.0.0.1 port, in a thread, for the block; its base URL."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",

@@ -13,18 +13,20 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp
 
 from kvops.config_files import location
 from kvops.gateway.accounting import TenantStatsList
 from kvops.gateway.admin import build_admin_router
 from kvops.gateway.errors import error_response
-from kvops.gateway.proxy import build_proxy_router
+from kvops.gateway.proxy import FastRelay, build_proxy_router
 from kvops.gateway.state import Gateway
 
 log = structlog.get_logger("kvops.gateway")
 
 
-def build_gateway_app(gateway: Gateway) -> FastAPI:
+def build_gateway_app(gateway: Gateway) -> ASGIApp:
+    """The gateway's app: the generation routes relayed by FastRelay, the rest by FastAPI."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
@@ -74,4 +76,4 @@ def build_gateway_app(gateway: Gateway) -> FastAPI:
         log.error("gateway error", path=request.url.path, error=repr(exc)[:300])
         return error_response(500, "the gateway failed on this request; its log says why", "internal_error")
 
-    return app
+    return FastRelay(app, gateway)

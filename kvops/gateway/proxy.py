@@ -10,8 +10,10 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import httpx
+import structlog
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvops.gateway.accounting import UNAUTHENTICATED, Usage
 from kvops.gateway.errors import GatewayError, error_response
@@ -21,10 +23,39 @@ from kvops.gateway.shaping import Shaped, read_json_object, shape
 from kvops.gateway.state import Gateway
 from kvops.gateway.streaming import Relay, RelayResponse
 from kvops.gateway.upstream import upstream_failure
+from kvops.gateway.upstream_http import RawResponse
+
+log = structlog.get_logger("kvops.gateway")
 
 # Of the upstream's response headers, the ones the client gets (hop-by-hop and length headers are the gateway's).
 T = TypeVar("T")
 PASSED_HEADERS = ("x-request-id", "x-kvops-request-id")
+
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class FastRelay:
+    """The generation routes as a plain ASGI app in front of the framework's. Every chunk of a stream answered
+    through FastAPI passed its middleware stack (error and exception wrappers, body limits), a tenth of the
+    gateway's CPU on a stream; here the response is sent straight to the server. Everything else, and a request
+    that is not a POST to those paths, goes to `app`."""
+
+    def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
+        self.app = app
+        self.gateway = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        try:
+            response = await relay_generation(self.gateway, request, scope["path"])
+        except Exception as exc:  # as the framework's last handler: a 500 in OpenAI's shape, never a traceback
+            log.error("gateway error", path=scope["path"], error=repr(exc)[:300])
+            response = error_response(500, "the gateway failed on this request; its log says why", "internal_error")
+        await response(scope, receive, send)
 
 
 def refused(gateway: Gateway, tenant: str, exc: GatewayError) -> Response:
@@ -123,7 +154,7 @@ def client_gone(gateway: Gateway, tenant: str) -> Response:
     return Response(status_code=499)  # nobody reads it
 
 
-async def _whole_answer(gateway: Gateway, request: Request, tenant: str, response: httpx.Response, shaped: Shaped,
+async def _whole_answer(gateway: Gateway, request: Request, tenant: str, response: RawResponse, shaped: Shaped,
                         started: float, release: Callable[[], Awaitable[None]]) -> Response:
     try:
         content = await until_gone(request, response.aread())
@@ -146,7 +177,7 @@ async def _whole_answer(gateway: Gateway, request: Request, tenant: str, respons
     return upstream_answer(gateway, tenant, response, content)
 
 
-def upstream_answer(gateway: Gateway, tenant: str, response: httpx.Response, content: bytes) -> Response:
+def upstream_answer(gateway: Gateway, tenant: str, response: RawResponse, content: bytes) -> Response:
     """The upstream's answer as the client gets it: as it came when it succeeded or is an OpenAI error body, else an
     OpenAI error of the same status (503: the upstream is unavailable); 502 when it refused the gateway's key."""
     status = response.status_code
@@ -172,7 +203,7 @@ def upstream_answer(gateway: Gateway, tenant: str, response: httpx.Response, con
     return error_response(status, f"the upstream {gateway.upstream.url} answered {status}", "upstream_error")
 
 
-def _passed(response: httpx.Response) -> dict[str, str]:
+def _passed(response: RawResponse) -> dict[str, str]:
     return {name: response.headers[name] for name in PASSED_HEADERS if name in response.headers}
 
 

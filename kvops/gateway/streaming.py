@@ -22,12 +22,15 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvops.gateway.accounting import Accounting, Usage
+from kvops.gateway.upstream_http import RawResponse
 
 _SEPARATORS = (b"\r\n\r\n", b"\n\n")
 
 
 def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
     """Complete events (each with its blank line) from the front of `buffer`, and the incomplete rest."""
+    if buffer.endswith(b"\n\n") and buffer.find(b"\n\n") == len(buffer) - 2 and b"\r" not in buffer:
+        return [buffer], b""  # one whole event, as vLLM sends each chunk: the common case, in one pass
     events = []
     while True:
         ends = [(at, len(sep)) for sep in _SEPARATORS if (at := buffer.find(sep)) >= 0]
@@ -38,9 +41,14 @@ def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
         buffer = buffer[at + size:]
 
 
+_NO_USAGE = (b'"usage":null', b'"usage": null')
+
+
 def event_usage(event: bytes) -> tuple[Usage | None, bool]:
-    """(the usage an event carries, whether the event is usage only: no choices)."""
-    if b'"usage"' not in event:
+    """(the usage an event carries, whether the event is usage only: no choices). Most events carry none: vLLM
+    writes `"usage":null` into every chunk of a stream that asked for usage, and those are not parsed (a quote inside
+    a JSON string is escaped, so the bytes can only be the field itself)."""
+    if b'"usage"' not in event or any(none in event for none in _NO_USAGE):
         return None, False
     data = b"".join(line[5:].strip() for line in event.splitlines() if line.startswith(b"data:"))
     try:
@@ -56,7 +64,7 @@ def event_usage(event: bytes) -> tuple[Usage | None, bool]:
 class Relay:
     """One upstream stream being relayed to one client: iterate `chunks()`, then `close()` in every case."""
 
-    def __init__(self, response: httpx.Response, tenant: str, accounting: Accounting, started: float,
+    def __init__(self, response: RawResponse, tenant: str, accounting: Accounting, started: float,
                  client_wants_usage: bool, on_close: Callable[[], Awaitable[None]]) -> None:
         self.response = response
         self.tenant = tenant

