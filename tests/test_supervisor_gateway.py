@@ -117,6 +117,8 @@ def test_the_supervisor_runs_the_gateway_reads_its_tenants_restarts_and_stops_it
              every_s=0.2)
     assert handle.starts == 2 and handle.exits == 1 and "exit code -9" in handle.last_exit
     _complete(handle.url, "team-a")
+    second = handle.pid
+    assert second is not None
     supervised.stop()
-    assert handle.pid is None and not psutil.pid_exists(first)
+    assert handle.pid is None and not psutil.pid_exists(second)  # the running one is stopped, not only forgotten
     assert "gateway listening" in handle.log_path.read_text()

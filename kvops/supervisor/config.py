@@ -87,7 +87,6 @@ class GatewaySpec(_Strict):
     upstream_api_key_env: str | None = None
     upstream_kind: Literal["auto", "vllm", "kvops", "openai"] = "auto"
     args: dict[str, Any] = Field(default_factory=dict)  # any other `kvops gateway` flag, snake_case
-    health_timeout_s: float = Field(30.0, gt=0)
 
     @property
     def managed(self) -> bool:
