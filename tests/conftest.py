@@ -192,8 +192,10 @@ def shared_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
                      "args": {"block_size": 128, "kv_cache_memory": "256MiB", "max_model_len": 1024,
                               "enforce_eager": True},
                      "restart": {"initial_backoff_s": 0.5}}],
-        # test_vllm_live_events's loads last seconds, not the minutes the default windows read.
-        "rules": {"prefix_cache_thrash": {"settings": {"window_s": 60}},
+        # test_vllm_live_events's loads last seconds to minutes, not the ten minutes the default windows read: its
+        # thrash load (20 prompts of 896 tokens) takes ~150 s on a machine whose vLLM-CPU prefills ~120 tokens/s,
+        # and the window must hold its second round.
+        "rules": {"prefix_cache_thrash": {"settings": {"window_s": 200}},
                   "low_hit_cause": {"settings": {"window_s": 30}}},
     }, "test")
     served = Served(config, "secret")

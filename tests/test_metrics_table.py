@@ -75,6 +75,9 @@ NOT_EXPORTED = {
     "residency",  # vLLM's own --kv-cache-metrics histograms, which it exports itself
     # vLLM's TTFT count less its end-to-end count less its live requests: series vLLM exports itself
     "requests.abandoned_total",
+    # the gateway's policy and counters: the gateway exports them itself (kvops_gateway_*, docs/gateway.md); its
+    # tenants' requests and tokens come through `tenants`
+    "gateway",
 }
 
 

@@ -1,6 +1,9 @@
 """`kvops run` with a `kvops gateway` in front of an engine ([engines.gateway]): the table and its errors, and a
 gateway the supervisor starts, reads, restarts when it exits and stops, in front of the session's real kvops engine
-(watched by URL), with two tenants' keys."""
+(watched by URL), with two tenants' keys.
+
+Named test_gateway_* so that it runs before test_scenarios, which stops every child process of the session (the
+shared engine among them) before each scenario."""
 
 from __future__ import annotations
 
