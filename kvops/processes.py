@@ -42,6 +42,18 @@ def start_engine_server(port: int, args: list[str], log: IO[bytes] | int = subpr
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
 
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """SIGTERM, so that the child drains and exits on its own, then SIGKILL after `timeout_s`; waits for it."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float, name: str = "the server",
                  log_path: Path | None = None) -> float:
     """Seconds until GET {url}/health answers 200. NotReady when the process exits first or the time runs out."""

@@ -230,6 +230,31 @@ def test_live_normalization_changes_what_reaches_the_upstream(tmp_path: Path) ->
         assert recorder.bodies[-1]["messages"][0]["content"] == noisy["messages"][0]["content"]
 
 
+def test_the_default_policy_changes_live_for_every_tenant_without_its_own(tmp_path: Path) -> None:
+    recorder = Recorder()
+    noisy = {"model": "m", "prompt": "a  b " + "x" * 100}  # charged 27 tokens against a limit of 10 a minute
+    policies = PolicyStore(TenantPolicy(), {"team-b": TenantPolicy()})  # team-b has a policy of its own
+    with serving(recorder.app) as upstream, gateway_in_front_of(upstream, tmp_path, policies=policies) as (url, _):
+        put = httpx.put(f"{url}/admin/default", json={"normalize": True, "tokens_per_minute": 10}, headers=ADMIN)
+        assert put.status_code == 200, put.text
+        assert put.json()["before"]["normalize"] is False and put.json()["after"]["normalize"] is True
+        assert put.json()["overridden"] == ["team-b"]
+        assert httpx.post(f"{url}/v1/completions", json=noisy, headers=auth("team-a")).status_code == 200
+        assert recorder.bodies[-1]["prompt"] == "a b " + "x" * 100  # the new default
+        limited = httpx.post(f"{url}/v1/completions", json=noisy, headers=auth("team-a"))
+        assert limited.status_code == 429 and "Retry-After" in limited.headers  # 10 tokens a minute: spent
+        assert httpx.post(f"{url}/v1/completions", json=noisy, headers=auth("team-b")).status_code == 200
+        assert recorder.bodies[-1]["prompt"] == noisy["prompt"]  # its own policy: untouched
+        listed = httpx.get(f"{url}/admin/tenants", headers=ADMIN).json()
+        assert listed["default"]["normalize"] is True and listed["tenants"]["team-a"]["normalize"] is True
+        back = httpx.put(f"{url}/admin/default", json={"normalize": False, "tokens_per_minute": None}, headers=ADMIN)
+        assert back.json()["after"] == TenantPolicy().model_dump()
+        assert httpx.post(f"{url}/v1/completions", json=noisy, headers=auth("team-a")).status_code == 200
+        assert recorder.bodies[-1]["prompt"] == noisy["prompt"]
+        assert httpx.put(f"{url}/admin/default", json={"cache": "everyone"}, headers=ADMIN).status_code == 400
+        assert httpx.put(f"{url}/admin/default", json={"normalize": True}, headers=auth("team-a")).status_code == 403
+
+
 # ------------------------------------------------------------------------------ the admin API
 
 

@@ -50,6 +50,19 @@ def build_admin_router(gateway: Gateway) -> APIRouter:
         before, after = gateway.policies.update(name, change)
         return _changed(gateway, "set", name, before, after)
 
+    async def put_default(change: TenantPolicyUpdate, request: Request) -> Response:
+        try:
+            checked(request)
+        except GatewayError as exc:
+            return exc.response()
+        before, after = gateway.policies.update_default(change)
+        if before.tokens_per_minute != after.tokens_per_minute:
+            gateway.limits.reset_all_but(set(gateway.policies.all()))
+        body = {"before": before.model_dump(), "after": after.model_dump(),
+                "overridden": sorted(gateway.policies.all())}
+        log.info("gateway policy change", action="set default", before=body["before"], after=body["after"])
+        return JSONResponse(body)
+
     async def delete_tenant(tenant: str, request: Request) -> Response:
         try:
             name = checked(request, tenant)
@@ -60,6 +73,8 @@ def build_admin_router(gateway: Gateway) -> APIRouter:
         return _changed(gateway, "reset", name, before, after)
 
     router.add_api_route("/admin/tenants", list_tenants, methods=["GET"])
+    # The default: every tenant without a policy of its own, present and future ("for all").
+    router.add_api_route("/admin/default", put_default, methods=["PUT"])
     # {tenant:path}: a quoted '/' in a tenant name (team%2Fa) still reaches the route.
     router.add_api_route("/admin/tenants/{tenant:path}", put_tenant, methods=["PUT"])
     router.add_api_route("/admin/tenants/{tenant:path}", delete_tenant, methods=["DELETE"])

@@ -94,6 +94,12 @@ class TenantLimits:
         with self._lock:
             self._buckets.pop(tenant, None)
 
+    def reset_all_but(self, keep: set[str]) -> None:
+        """Forget every bucket but those of `keep` (the default limit changed: the tenants without their own)."""
+        with self._lock:
+            for tenant in set(self._buckets) - keep:
+                del self._buckets[tenant]
+
 
 def estimate_tokens(body: dict[str, object]) -> int:
     """`ceil(prompt characters / 4) + max_tokens`: the rate limit's charge for one request (module docstring)."""

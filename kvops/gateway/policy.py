@@ -127,6 +127,14 @@ class PolicyStore:
             self._tenants[tenant] = after
             return before, after
 
+    def update_default(self, change: TenantPolicyUpdate) -> tuple[TenantPolicy, TenantPolicy]:
+        """(before, after) of applying `change` to the default policy: every tenant without a policy of its own
+        (from the file or set live) takes it at its next request."""
+        with self._lock:
+            before = self.default
+            self.default = before.updated(change)
+            return before, self.default
+
     def reset(self, tenant: str) -> tuple[TenantPolicy, TenantPolicy]:
         """(before, after) of dropping `tenant`'s own policy: it takes the default again (not the file's entry:
         `DELETE` is the way back to the gateway's default, whatever was set before)."""

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import structlog
 
-from kvops.processes import die_with_parent, free_port
+from kvops.processes import die_with_parent, free_port, stop_process
 from kvops.supervisor.config import GatewaySpec
 
 log = structlog.get_logger("kvops.supervisor")
@@ -119,12 +119,7 @@ class GatewayHandle:
         process, self.process = self.process, None
         if process is None or process.poll() is not None:
             return
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, STOP_TIMEOUT_S)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
         log.info("gateway stopped", engine=self.engine, exit_code=process.returncode)

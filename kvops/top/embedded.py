@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import subprocess
 import sys
 from collections import deque
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import platformdirs
 
-from kvops.processes import die_with_parent, free_port
+from kvops.processes import die_with_parent, free_port, stop_process
 from kvops.top.client import probe
 
 STOP_TIMEOUT_S = 40.0  # the supervisor drains its engine (up to its drain timeout) before exiting
@@ -74,11 +73,5 @@ class EmbeddedSupervisor:
 
     def stop(self) -> None:
         process = self.process
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        if process is not None:
+            stop_process(process, STOP_TIMEOUT_S)
