@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvops.config_files import first_error, read_toml
 from kvops.engine.api_keys import tenant_name_problem
+from kvops.gateway.volatile import MASK_RULE, check_mask
 from kvops.schema.errors import ConfigError
 
 SHARED, ISOLATED, GROUP_PREFIX = "shared", "isolated", "group:"
@@ -44,6 +45,8 @@ class TenantPolicy(BaseModel):
 
     cache: str = Field(default=ISOLATED, description=f"cache sharing: {CACHE_RULE}")
     normalize: bool = Field(default=False, description="canonicalize whitespace in prompts (kvops.engine.normalize)")
+    mask: list[str] = Field(default_factory=list, description=f"volatile values replaced by a placeholder: {MASK_RULE} "
+                                                              "(kvops.gateway.volatile)")
     max_concurrency: int | None = Field(default=None, ge=1, description="requests in flight at once; null: no limit")
     tokens_per_minute: int | None = Field(default=None, ge=1,
                                           description="estimated tokens per minute (docs/gateway.md); null: no limit")
@@ -52,6 +55,11 @@ class TenantPolicy(BaseModel):
     @classmethod
     def _cache(cls, value: str) -> str:
         return check_cache(value)
+
+    @field_validator("mask")
+    @classmethod
+    def _mask(cls, value: list[str]) -> list[str]:
+        return check_mask(value)
 
     def salt_for(self, tenant: str) -> str | None:
         """The `cache_salt` the upstream gets for `tenant`'s requests; None: no salt (shared)."""
@@ -73,6 +81,7 @@ class TenantPolicyUpdate(BaseModel):
 
     cache: str | None = Field(default=None, description=CACHE_RULE)
     normalize: bool | None = None
+    mask: list[str] | None = Field(default=None, description=MASK_RULE)
     max_concurrency: int | None = Field(default=None, ge=1)
     tokens_per_minute: int | None = Field(default=None, ge=1)
 
@@ -90,6 +99,11 @@ class TenantPolicyUpdate(BaseModel):
         if value is None:
             raise ValueError("normalize must be true or false")
         return value
+
+    @field_validator("mask")
+    @classmethod
+    def _mask(cls, value: list[str] | None) -> list[str]:
+        return check_mask(value or [])  # null: mask nothing
 
 
 class PolicyFile(BaseModel):

@@ -11,9 +11,10 @@ from typing import Any
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from kvops.engine.normalize import normalize_messages, normalize_prompt
+from kvops.engine.normalize import normalize_prompt
 from kvops.gateway.errors import GatewayError, bad_request
 from kvops.gateway.policy import TenantPolicy
+from kvops.gateway.volatile import mask_text
 
 
 async def read_json_object(request: Request, max_bytes: int, timeout_s: float) -> dict[str, Any]:
@@ -77,8 +78,8 @@ def shape(body: dict[str, Any], tenant: str, policy: TenantPolicy, inject_salt: 
     salt = policy.salt_for(tenant)
     if inject_salt and salt is not None:
         out["cache_salt"] = salt
-    if policy.normalize:
-        _normalize(out)
+    if policy.normalize or policy.mask:
+        _rewrite_prompts(out, policy)
     options = out.get("stream_options")
     client_wants_usage = isinstance(options, dict) and options.get("include_usage") is True
     if stream:
@@ -98,14 +99,22 @@ def wants_stream(value: object) -> bool:
     return isinstance(value, str) and value.strip().lower() in ("1", "true", "t", "yes", "y", "on")
 
 
-def _normalize(body: dict[str, Any]) -> None:
-    """Prompt normalization (kvops.engine.normalize) on a completion's string prompt(s) and each chat message's
-    string content; token ids and content parts are left as they are."""
+def _rewrite_prompts(body: dict[str, Any], policy: TenantPolicy) -> None:
+    """The policy's prompt rewriting (whitespace normalization, kvops.engine.normalize, then the masks of
+    kvops.gateway.volatile) on a completion's string prompt(s) and each chat message's string content; token ids
+    and content parts are left as they are."""
+
+    def rewrite(text: str) -> str:
+        if policy.normalize:
+            text = normalize_prompt(text)
+        return mask_text(text, policy.mask) if policy.mask else text
+
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        body["prompt"] = normalize_prompt(prompt)
+        body["prompt"] = rewrite(prompt)
     elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-        body["prompt"] = [normalize_prompt(p) for p in prompt]
+        body["prompt"] = [rewrite(p) for p in prompt]
     messages = body.get("messages")
     if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
-        body["messages"] = normalize_messages(messages)
+        body["messages"] = [{**m, "content": rewrite(m["content"])} if isinstance(m.get("content"), str) else dict(m)
+                            for m in messages]

@@ -20,6 +20,7 @@ TENANT_SALT_PREFIX = "tenant:"
 class GatewayTenant(BaseModel):
     cache: str = "isolated"  # "shared", "isolated" or "group:<name>"
     normalize: bool = False
+    mask: list[str] = Field(default_factory=list)  # volatile patterns replaced by placeholders (kvops.gateway.volatile)
     max_concurrency: int | None = None
     tokens_per_minute: int | None = None
     estimated_tokens_total: int = 0  # the token-rate limit's charges of admitted requests (its own unit)
@@ -48,7 +49,7 @@ class GatewayView(BaseModel):
 # (docs/gateway.md, "The admin API"); the gateway answers the policy before and after, and the undo sends the
 # changed fields' old values back.
 SET_GATEWAY_POLICY = "set_gateway_policy"
-POLICY_FIELDS = ("cache", "normalize", "max_concurrency", "tokens_per_minute")
+POLICY_FIELDS = ("cache", "normalize", "mask", "max_concurrency", "tokens_per_minute")
 
 
 def gateway_fix(tenant: str, change: dict[str, Any], description: str,
