@@ -37,7 +37,7 @@ CATALOG: dict[str, Volatile] = {v.name: v for v in (
     Volatile("hex_id", re.compile(r"\b(?=[0-9a-fA-F]*[a-fA-F])(?=[0-9a-fA-F]*\d)[0-9a-fA-F]{16,}\b"),
              "4bf92f3577b34da6a3ce929d0e0e4736"),
 )}
-# A timestamp is masked before a bare date would be (the catalog's order is the order of replacement).
+# The catalog's order is the order of replacement (check_mask keeps it): a timestamp goes before the ids.
 MASK_RULE = f"a list of {', '.join(CATALOG)}"
 
 
