@@ -55,8 +55,8 @@ def test_salts_keep_the_shadow_caches_apart_and_chats_are_read_by_message():
     whole_chunks = len(SHARED) // CHUNK_CHARS * CHUNK_CHARS
     assert shadow.observe("tenant:a", prompt_texts({"prompt": SHARED})).reused == whole_chunks
     chat = {"messages": [{"role": "system", "content": SHARED}, {"role": "user", "content": "hi   there"}]}
-    [(sent, normalized)] = prompt_texts(chat)
-    assert sent.startswith("system\n") and "hi   there" in sent and "hi there" in normalized
+    [text] = prompt_texts(chat)
+    assert text.sent.startswith("system\n") and "hi   there" in text.sent and "hi there" in text.normalized
     assert prompt_texts({"prompt": [1, 2, 3]}) == [] and prompt_texts({"messages": "x"}) == []
 
 

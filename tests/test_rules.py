@@ -58,7 +58,7 @@ def objectives(d: Diagnosis) -> list[tuple[str, str, str]]:
 
 def test_registry_lists_every_rule_with_stable_ids() -> None:
     assert set(RULES) == {
-        "kv_oom_start", "kv_oom_runtime", "block_size_mismatch", "tenant_pollution", "prompt_variance",
+        "kv_oom_start", "kv_oom_runtime", "block_size_mismatch", "tenant_pollution", "prompt_variance", "salt_split",
         "prefix_caching_off", "swap_storm", "kv_quant_error", "host_bound", "engine_down", "crash_loop",
         "queueing", "no_prefix_hits", "aborted_requests", "latency_slo", "prefix_cache_thrash", "low_hit_cause",
     }

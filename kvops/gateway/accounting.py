@@ -43,6 +43,11 @@ class TenantStats(BaseModel):
     reusable_prompt_chars: int = Field(0, description="... that a prefix cache of the prompts as sent would reuse "
                                                       "(kvops/gateway/shadow.py)")
     normalized_reusable_prompt_chars: int = Field(0, description="... of the same prompts whitespace-normalized")
+    masked_reusable_prompt_chars: int = Field(0, description="... normalized and every volatile value masked")
+    volatile_prompt_chars: dict[str, int] = Field(default_factory=dict, description="characters of each volatile "
+                                                  "pattern (kvops/gateway/volatile.py) in the prompts as sent")
+    shareable_prompt_chars: dict[str, int] = Field(default_factory=dict, description="namespace (a cache salt, or "
+                                                   "'shared' for none) -> characters only sharing it would reuse")
     policy: TenantPolicy | None = Field(default=None, description="the tenant's policy now")
 
 
@@ -68,6 +73,11 @@ class Usage(BaseModel):
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         return cls(prompt_tokens=_count(usage.get("prompt_tokens")),
                    completion_tokens=_count(usage.get("completion_tokens")), cached_tokens=_count(cached))
+
+
+def _add(into: dict[str, int], counts: dict[str, int]) -> None:
+    for key, count in counts.items():
+        into[key] = into.get(key, 0) + count
 
 
 def _count(value: object) -> int:
@@ -102,7 +112,14 @@ class Accounting:
                                     registry=r)
         self.reusable_prompt_chars = Counter(
             "kvops_gateway_reusable_prompt_chars", "prompt characters a prefix cache would reuse, of the prompts as "
-            "sent (normalized=\"false\") or whitespace-normalized (\"true\")", ["tenant", "normalized"], registry=r)
+            "sent (form=\"sent\"), whitespace-normalized (\"normalized\") or normalized with every volatile value "
+            "masked (\"masked\")", ["tenant", "form"], registry=r)
+        self.volatile_prompt_chars = Counter(
+            "kvops_gateway_volatile_prompt_chars", "prompt characters of a volatile pattern (a timestamp, an id)",
+            ["tenant", "pattern"], registry=r)
+        self.shareable_prompt_chars = Counter(
+            "kvops_gateway_shareable_prompt_chars", "prompt characters a prefix cache would reuse only if the "
+            "tenant shared the cache salt of `namespace` (shared: no salt)", ["tenant", "namespace"], registry=r)
         self._lock = threading.Lock()
         self._stats: dict[str, TenantStats] = {}
 
@@ -146,14 +163,22 @@ class Accounting:
     def admitted(self, tenant: str, estimated_tokens: int, reuse: Reuse) -> None:
         """A request past its limits: its charge, and what the shadow caches found of its prompt."""
         self.prompt_chars.labels(tenant).inc(reuse.chars)
-        self.reusable_prompt_chars.labels(tenant, "false").inc(reuse.reused)
-        self.reusable_prompt_chars.labels(tenant, "true").inc(reuse.normalized_reused)
+        self.reusable_prompt_chars.labels(tenant, "sent").inc(reuse.reused)
+        self.reusable_prompt_chars.labels(tenant, "normalized").inc(reuse.normalized_reused)
+        self.reusable_prompt_chars.labels(tenant, "masked").inc(reuse.masked_reused)
+        for pattern, chars in reuse.volatile.items():
+            self.volatile_prompt_chars.labels(tenant, pattern).inc(chars)
+        for namespace, chars in reuse.shareable.items():
+            self.shareable_prompt_chars.labels(tenant, namespace).inc(chars)
         with self._lock:
             stats = self._tenant(tenant)
             stats.estimated_tokens += estimated_tokens
             stats.prompt_chars += reuse.chars
             stats.reusable_prompt_chars += reuse.reused
             stats.normalized_reusable_prompt_chars += reuse.normalized_reused
+            stats.masked_reusable_prompt_chars += reuse.masked_reused
+            _add(stats.volatile_prompt_chars, reuse.volatile)
+            _add(stats.shareable_prompt_chars, reuse.shareable)
 
     def started(self, tenant: str) -> None:
         self.in_flight.labels(tenant).inc()

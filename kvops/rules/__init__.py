@@ -40,6 +40,7 @@ from kvops.rules import (
     prefix_caching_off,
     prompt_variance,
     queueing,
+    salt_split,
     swap_storm,
     tenant_pollution,
 )
@@ -74,6 +75,7 @@ _MODULES = (
     swap_storm,
     tenant_pollution,
     prompt_variance,
+    salt_split,
     prefix_caching_off,
     block_size_mismatch,
     kv_quant_error,

@@ -18,13 +18,17 @@ the differing positions and token ids, and normalization of those tokens is prop
 cannot normalize). Without such a group the events say the variance is not the cause, and the low-hit note
 is not given (low_hit_cause names the cause). A kvops engine, which normalizes live, is unchanged.
 
-Behind a `kvops gateway` (`Snapshot.gateway`), the gateway measures what normalization would do: it keeps two
-simulated prefix caches of the prompt text, as sent and normalized (kvops/gateway/shadow.py). A tenant whose
-normalized prompts would share at least `min_gap` more of their text is named, and the fix turns normalization on
-for it on the gateway, live; the verdict reads the hit rate the engine reports (the tenant's cached tokens).
+Behind a `kvops gateway` (`Snapshot.gateway`), the gateway measures what normalization and masks would do: it keeps
+simulated prefix caches of the prompt text, as sent, normalized, and normalized with every volatile value masked
+(kvops/gateway/shadow.py). A tenant whose prompts would share at least `min_gap` more of their text is named, and the
+fix turns normalization on for it on the gateway, live; or, where normalization is on or not enough and its
+prompts carry timestamps or ids, masks those patterns (kvops/gateway/volatile.py). The verdict reads the hit rate
+the engine reports (the tenant's cached tokens).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from pydantic import Field
 
@@ -38,10 +42,11 @@ from kvops.rules.common import (
     fresh_latest,
     usable_events,
 )
+from kvops.rules.gateway_reads import gateway_delta, hit_rate_objective, tenant_hit_rate
 from kvops.rules.no_prefix_hits import NEAR_ZERO_HIT_RATE
 from kvops.schema.admin import SET_NORMALIZATION
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
-from kvops.schema.gateway import gateway_fix
+from kvops.schema.gateway import GatewayTenant, gateway_fix
 from kvops.schema.kv_events import KvEventStats, RootVariant
 from kvops.schema.snapshot import Snapshot
 
@@ -184,64 +189,71 @@ def _root_variants(history: EngineHistory, settings: Settings, events: KvEventSt
     }, fix=Fix(kind=FixKind.REPORT, action="advice", description=advice))]
 
 
-def _gateway_normalization(snap: Snapshot) -> object:
-    # A tenant's normalization switched on or off changes what its shadow counters mean.
+def _gateway_shaping(snap: Snapshot) -> object:
+    # A tenant's normalization or mask changed changes what its shadow counters mean.
     if snap.gateway is None:
         return None
-    return frozenset(name for name, tenant in snap.gateway.tenants.items() if tenant.normalize)
+    return frozenset((name, tenant.normalize, tuple(tenant.mask)) for name, tenant in snap.gateway.tenants.items())
 
 
 def _through_gateway(history: EngineHistory, settings: Settings, latest: Snapshot) -> list[Diagnosis]:
-    """Behind a kvops gateway: each tenant without normalization whose prompts, normalized, would share far more of
-    their prefixes than as sent (the gateway's two simulated prefix caches, kvops/gateway/shadow.py); the fix turns
-    normalization on for that tenant on the gateway, judged by the hit rate the engine itself reports."""
+    """Behind a kvops gateway: each tenant whose prompts, whitespace-normalized or with their volatile values masked,
+    would share far more of their prefixes than as the upstream gets them (the gateway's simulated prefix caches,
+    kvops/gateway/shadow.py). Normalization first (it changes nothing the model reads); masks once it is on, or
+    when it alone is not enough. The fix changes that tenant's policy on the gateway, judged by the hit rate the
+    engine itself reports."""
     gateway = latest.gateway
-    span = covered_steady_span(history, latest, settings, _gateway_normalization)
+    span = covered_steady_span(history, latest, settings, _gateway_shaping)
     if gateway is None or span is None:
         return []
-    reported = any(t.hit_tokens_total for t in latest.tenants.values())  # the engine reports cached tokens
     found: list[Diagnosis] = []
     for name, policy in sorted(gateway.tenants.items()):
-        if policy.normalize:
-            continue
 
-        def counter(field: str, tenant: str = name) -> float:
-            return history.delta(lambda s: getattr(s.gateway.tenants[tenant], field)
-                                 if s.gateway is not None and tenant in s.gateway.tenants else 0, span) or 0.0
+        def counter(read: Callable[[GatewayTenant], float], tenant: str = name) -> float:
+            return gateway_delta(history, tenant, read, span)
 
-        chars = counter("prompt_chars_total")
+        chars = counter(lambda t: t.prompt_chars_total)
         if chars < settings.min_gateway_prompt_chars:
             continue
-        as_sent = counter("reusable_chars_total") / chars
-        normalized = counter("normalized_reusable_chars_total") / chars
-        gain = normalized - as_sent
-        if gain < settings.min_gap:
+        as_sent = counter(lambda t: t.reusable_chars_total) / chars
+        normalized = counter(lambda t: t.normalized_reusable_chars_total) / chars
+        masked = counter(lambda t: t.masked_reusable_chars_total) / chars
+        # the patterns (kvops/gateway/volatile.py) the gateway found in this tenant's prompts in the window
+        seen = [p for p in policy.volatile_chars_total if counter(lambda t, p=p: t.volatile_chars_total.get(p, 0))]
+        unmasked = [p for p in seen if p not in policy.mask]
+        now = normalized if policy.normalize else as_sent
+        if not policy.normalize and normalized - now >= settings.min_gap:
+            gain, change = normalized - now, {"normalize": True}
+            what = (f"its prompts, whitespace-normalized, would share {normalized:.0%} of their text with earlier "
+                    f"prompts, as sent {as_sent:.0%}")
+            action = "turn whitespace normalization on"
+        elif unmasked and masked - now >= settings.min_gap:
+            mask = [*policy.mask, *unmasked]  # the gateway puts them in its catalog's order
+            gain, change = masked - now, {"normalize": True, "mask": mask}
+            what = (f"its prompts carry volatile values ({', '.join(unmasked)}); masked, they would share "
+                    f"{masked:.0%} of their text with earlier prompts, now {now:.0%}")
+            action = f"mask {', '.join(unmasked)} (and normalize whitespace)"
+        else:
             continue
-        prompts = history.delta(lambda s, t=name: s.tenants[t].prompt_tokens_total if t in s.tenants else 0, span)
-        hits = history.delta(lambda s, t=name: s.tenants[t].hit_tokens_total if t in s.tenants else 0, span)
-        hit_rate = hits / prompts if reported and prompts and hits is not None else None
+        hit_rate = tenant_hit_rate(history, latest, name, span)
         predicted = min(1.0, hit_rate + gain) if hit_rate is not None else None
-        measured = (f"the engine hit {hit_rate:.0%} of its prompt tokens, about {predicted:.0%} expected with "
-                    f"normalization" if hit_rate is not None and predicted is not None else
+        measured = (f"the engine hit {hit_rate:.0%} of its prompt tokens, about {predicted:.0%} expected after" if
+                    hit_rate is not None and predicted is not None else
                     "the engine does not report its cached tokens per request")
-        summary = (f"tenant {name!r}: its prompts, whitespace-normalized, would share {normalized:.0%} of their text "
-                   f"with earlier prompts, as sent {as_sent:.0%} (+{gain:.0%}); {measured}")
-        # Judged on the engine's own numbers: the tenant's cached tokens where the engine reports them, else the
-        # engine's hit rate.
-        objective = (Objective(measure="tenant_hit_rate", better="higher", min_effect=settings.verify_min_change,
-                               subject=name) if reported else
-                     Objective(measure="hit_rate", better="higher", min_effect=settings.verify_min_change))
+        summary = f"tenant {name!r}: {what} (+{gain:.0%}); {measured}"
+        objective = hit_rate_objective(latest, name, settings.verify_min_change)
         found.append(diagnosis(history, RULE_ID, TITLE, Severity.WARNING, summary, {
             "normalization": "gateway",
             "tenant": name,
             "prompt_chars": int(chars),
             "reusable_share": round(as_sent, 4),
             "normalized_reusable_share": round(normalized, 4),
+            "masked_reusable_share": round(masked, 4),
+            "volatile_patterns": ",".join(seen),
             "gap": round(gain, 4),
             "hit_rate": None if hit_rate is None else round(hit_rate, 4),
             "predicted_hit_rate": None if predicted is None else round(predicted, 4),
             "window_s": round(span, 1),
-        }, fix=gateway_fix(name, {"normalize": True}, f"turn whitespace normalization on for tenant {name!r} on the "
-                           f"gateway: its normalized prompts would share {gain:.0%} more of their text", [objective]),
-            subject=name))
+        }, fix=gateway_fix(name, change, f"{action} for tenant {name!r} on the gateway: its prompts would share "
+                           f"{gain:.0%} more of their text", [objective]), subject=name))
     return found

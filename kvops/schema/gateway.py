@@ -27,6 +27,10 @@ class GatewayTenant(BaseModel):
     prompt_chars_total: int = 0  # text prompts admitted
     reusable_chars_total: int = 0  # of those, what a prefix cache of the prompts as sent would reuse
     normalized_reusable_chars_total: int = 0  # ... of the same prompts whitespace-normalized
+    masked_reusable_chars_total: int = 0  # ... normalized, with every volatile value masked
+    volatile_chars_total: dict[str, int] = Field(default_factory=dict)  # volatile pattern -> characters of it sent
+    # namespace (a cache salt; "shared" for none) -> characters only sharing that salt would have reused
+    shareable_chars_total: dict[str, int] = Field(default_factory=dict)
     rate_limited_total: int = 0  # 429s: concurrency and token-rate limits
     client_disconnects_total: int = 0
 

@@ -111,5 +111,8 @@ def gateway_tenant(stats: GatewayTenantStats) -> GatewayTenant:
     return GatewayTenant(**policy, estimated_tokens_total=stats.estimated_tokens,
                          prompt_chars_total=stats.prompt_chars, reusable_chars_total=stats.reusable_prompt_chars,
                          normalized_reusable_chars_total=stats.normalized_reusable_prompt_chars,
+                         masked_reusable_chars_total=stats.masked_reusable_prompt_chars,
+                         volatile_chars_total=stats.volatile_prompt_chars,
+                         shareable_chars_total=stats.shareable_prompt_chars,
                          rate_limited_total=sum(stats.errors.get(reason, 0) for reason in RATE_LIMITED),
                          client_disconnects_total=stats.client_disconnects)
