@@ -103,7 +103,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.threads = ThreadGovernor(config.threads)
         log.info(self.capacity.describe(), model=self.model_name, device=str(self.device), dtype=self.dtype_name,
-                 kernels=self.kernel_backend, pool_bytes=self.kv_pool.allocated_bytes,
+                 kernels=self.kernel_backend, linear=self.model.linear_backend, pool_bytes=self.kv_pool.allocated_bytes,
                  kv_cache_dtype=self.kv_cache_dtype_name,
                  kv_cache_dtype_skip_layers=list(config.kv_cache_dtype_skip_layers),
                  block_size=config.block_size, num_blocks=self.capacity.num_blocks,

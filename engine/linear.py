@@ -1,18 +1,29 @@
-"""The matmul behind every projection.
+"""The matmul behind every projection, and the choice of backend that holds while serving.
 
 On x86 CPUs PyTorch's default fp32 `F.linear` goes through MKL. Which of MKL and oneDNN is faster
 depends on the processor and the row count: on an AMD EPYC (2 cores, weights streamed from DRAM)
 oneDNN was 1.6–1.9× faster at 1–16 rows; on an Intel Xeon with AMX, MKL's matrix-vector path is
 1.35–1.6× faster at 1–2 rows (one stream's decode step 69 → 43–47 ms) and oneDNN 1.2–1.4× faster
-from 8 rows on (docs/benchmarks.md). So the engine measures both once at start, on model-shaped
-weights larger than the caches, and sends the row counts where `F.linear` wins to it, the rest to
-oneDNN (operands swapped, see `_onednn_linear`). `KVOPS_LINEAR=torch|onednn` forces one path.
+from 8 rows on (docs/benchmarks.md). So the engine measures both at start, on the model's own weights,
+and sends the row counts where `F.linear` wins to it, the rest to oneDNN (operands swapped, see
+`_onednn_linear`). `KVOPS_LINEAR=torch|onednn` forces one path.
+
+One measurement used to decide the engine's speed for its whole life, and a transient flipped it: on a
+2-vCPU EPYC a start measured while a neighbour process was exiting chose MKL (36.7 against 42.2 ms a
+pass) and served one stream at 17 tok/s, the start before 43 tok/s. So the measurement is `ROUNDS`
+rounds, each backend's order alternating from round to round, and each number the median of the rounds;
+and while serving, `LinearDispatch` times its own calls at the probed row counts (two clock reads a call,
+~15 µs a step of ~35 ms) and measures again when the steps' time departs from what the measurement said
+by more than `DRIFT`: a start measured in a slow spell runs faster than predicted, and is caught. Every
+measurement and every change is logged.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 
 import structlog
@@ -22,6 +33,7 @@ import torch.nn.functional as F
 log = structlog.get_logger("kvops.engine.linear")
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+Timings = dict[str, list[float]]  # backend -> ms per pass over the weights, one per PROBE_ROWS count
 
 
 def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -36,15 +48,26 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out if bias is None else out + bias
 
 
-# Row counts tried at start; F.linear takes a count when it is clearly (10%) faster there.
+# Row counts tried; F.linear takes a count when it is clearly (10%) faster there. Above the largest,
+# oneDNN always.
 PROBE_ROWS = (1, 2, 4)
 _CLEAR_WIN = 0.9
+ROUNDS = 5  # a slow spell of one or two rounds does not move a median of five
+# While serving: the steps' linear time at a probed row count, over WATCH_STEPS steps (median), may depart
+# this much from the measurement before the backends are measured again; at most once per RECHECK_AFTER_S,
+# doubled each time a measurement confirms the split (a machine whose serving steps simply differ from the
+# probe's pays ~1 s an hour, not a measurement a minute).
+DRIFT = 0.3
+WATCH_STEPS = 16
+RECHECK_AFTER_S = 60.0
+RECHECK_MAX_S = 3600.0
 
 
 def select_linear(device: torch.device, dtype: torch.dtype,
                   weights: list[torch.Tensor] | None = None) -> tuple[str, Linear]:
     """The fastest linear that agrees with F.linear on this device, and its name. `weights`: the model's
-    projections, timed with both backends (none given: oneDNN for every row count)."""
+    projections, as a decode step reads them, timed with both backends (none given: oneDNN for every row
+    count). With both measured, the linear is a `LinearDispatch` that keeps the choice right while serving."""
     choice = os.environ.get("KVOPS_LINEAR", "auto")
     if choice not in ("auto", "torch", "onednn"):
         raise ValueError(f"KVOPS_LINEAR={choice!r} is not one of auto, torch, onednn")
@@ -65,37 +88,33 @@ def select_linear(device: torch.device, dtype: torch.dtype,
     if choice == "onednn" or not weights:
         return "onednn", _onednn_linear
     rows, timings = torch_rows(weights)
-    log.info("linear backends measured", torch_up_to_rows=rows, ms_per_pass=timings)
-    if rows == 0:
-        return "onednn", _onednn_linear
-
-    def split(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return _torch_linear(x, weight, bias) if x.shape[0] <= rows else _onednn_linear(x, weight, bias)
-
-    return f"torch up to {rows} rows, onednn above", split
+    log.info("linear backends measured", torch_up_to_rows=rows, ms_per_pass=timings, rounds=ROUNDS)
+    dispatch = LinearDispatch(weights, timings)
+    return dispatch.name, dispatch
 
 
-def torch_rows(weights: list[torch.Tensor]) -> tuple[int, dict[str, list[float]]]:
+def torch_rows(weights: list[torch.Tensor], rounds: int = ROUNDS) -> tuple[int, Timings]:
     """The largest of PROBE_ROWS up to which F.linear beats oneDNN clearly at every count (0: nowhere), and
-    each backend's time for one pass over all `weights` per row count, in ms (the better of two, the
-    backends interleaved so a slow spell of the machine hits both)."""
+    each backend's time for one pass over all `weights` per row count, in ms: the median of `rounds` rounds,
+    the backends interleaved and their order alternating, so that a slow spell hits both and moves neither
+    median."""
     generator = torch.Generator().manual_seed(0)
-    timings: dict[str, list[float]] = {"torch": [], "onednn": []}
     widths = sorted({w.shape[1] for w in weights})
-    for m in PROBE_ROWS:
-        inputs = {k: torch.randn(m, k, generator=generator).to(weights[0].dtype) for k in widths}
-        best: dict[str, float] = {}
-        for name, fn in (("onednn", _onednn_linear), ("torch", _torch_linear)) * 2:
-            started = time.perf_counter()
-            for w in weights:
-                fn(inputs[w.shape[1]], w, None)
-            best[name] = min(best.get(name, float("inf")), time.perf_counter() - started)
-        for name in timings:
-            timings[name].append(round(best[name] * 1000, 2))
+    samples: dict[str, list[list[float]]] = {"torch": [[] for _ in PROBE_ROWS], "onednn": [[] for _ in PROBE_ROWS]}
+    backends = (("onednn", _onednn_linear), ("torch", _torch_linear))
+    inputs = [{k: torch.randn(m, k, generator=generator).to(weights[0].dtype) for k in widths} for m in PROBE_ROWS]
+    for round_ in range(rounds):
+        for i in range(len(PROBE_ROWS)):
+            for name, fn in backends if round_ % 2 == 0 else backends[::-1]:
+                started = time.perf_counter()
+                for w in weights:
+                    fn(inputs[i][w.shape[1]], w, None)
+                samples[name][i].append((time.perf_counter() - started) * 1000)
+    timings = {name: [round(statistics.median(s), 2) for s in per_rows] for name, per_rows in samples.items()}
     return torch_rows_from(timings), timings
 
 
-def torch_rows_from(timings: dict[str, list[float]]) -> int:
+def torch_rows_from(timings: Timings) -> int:
     """The split from timings per PROBE_ROWS count: the largest count up to which F.linear is clearly faster at
     every count from one row up (0: not even at one row). One threshold, so a win at 4 rows after a loss at 2
     does not count."""
@@ -105,3 +124,76 @@ def torch_rows_from(timings: dict[str, list[float]]) -> int:
             break
         rows = m
     return rows
+
+
+def split_name(rows: int) -> str:
+    return "onednn" if rows == 0 else f"torch up to {rows} rows, onednn above"
+
+
+class LinearDispatch:
+    """F.linear up to `rows` rows, oneDNN above, measured again while serving when the steps drift from the
+    measurement. The model calls it for every projection and `step_done()` after each forward pass."""
+
+    def __init__(self, weights: list[torch.Tensor], timings: Timings,
+                 measure: Callable[[list[torch.Tensor]], tuple[int, Timings]] = torch_rows,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.weights = weights
+        self.timings = timings
+        self.rows = torch_rows_from(timings)
+        self.rechecks = 0
+        self.changes = 0
+        self._measure, self._clock = measure, clock
+        self._recheck_after_s = RECHECK_AFTER_S
+        self._next_check = clock() + RECHECK_AFTER_S
+        self._spent = 0.0  # seconds in linear calls this step, while every call had the same row count
+        self._step_rows = 0  # that row count; 0: none yet; -1: mixed (a prefill step's head, say): not timed
+        self._watched = {m: deque[float](maxlen=WATCH_STEPS) for m in PROBE_ROWS}
+
+    @property
+    def name(self) -> str:
+        return split_name(self.rows)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        m = x.shape[0]
+        if m > PROBE_ROWS[-1]:
+            self._step_rows = -1
+            return _onednn_linear(x, weight, bias)
+        started = time.perf_counter()
+        out = _torch_linear(x, weight, bias) if m <= self.rows else _onednn_linear(x, weight, bias)
+        self._spent += time.perf_counter() - started
+        self._step_rows = m if self._step_rows in (0, m) else -1
+        return out
+
+    def step_done(self) -> None:
+        """One forward pass ended: its linear time joins the watch of its row count, and the backends are
+        measured again when the watch departs from the measurement."""
+        m, spent = self._step_rows, self._spent
+        self._step_rows, self._spent = 0, 0.0
+        watched = self._watched.get(m)
+        if watched is None:
+            return
+        watched.append(spent * 1000)
+        if len(watched) < WATCH_STEPS or self._clock() < self._next_check:
+            return
+        backend = "torch" if m <= self.rows else "onednn"
+        predicted = self.timings[backend][PROBE_ROWS.index(m)]
+        observed = statistics.median(watched)
+        if predicted > 0 and abs(observed / predicted - 1) > DRIFT:
+            self.recheck(f"{m}-row steps took {observed:.1f} ms in linears, {predicted:.1f} ms measured ({backend})")
+
+    def recheck(self, why: str) -> None:
+        """Measure both backends again and keep the split they give; logged, with the reason."""
+        before, before_timings = self.rows, self.timings
+        self.rows, self.timings = self._measure(self.weights)
+        self.rechecks += 1
+        for watched in self._watched.values():
+            watched.clear()
+        changed = self.rows != before
+        self.changes += changed
+        # A split confirmed: the serving steps differ from the probe on this machine; look again later.
+        self._recheck_after_s = RECHECK_AFTER_S if changed else min(2 * self._recheck_after_s, RECHECK_MAX_S)
+        self._next_check = self._clock() + self._recheck_after_s
+        log.info("linear backends measured again", reason=why, torch_up_to_rows=self.rows, ms_per_pass=self.timings,
+                 before_ms_per_pass=before_timings, next_check_s=self._recheck_after_s)
+        if changed:
+            log.warning("linear backend changed", before=split_name(before), after=self.name, reason=why)

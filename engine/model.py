@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kvops import kernels
-from kvops.engine.linear import select_linear
+from kvops.engine.linear import LinearDispatch, select_linear
 from kvops.kernels import AttentionMetadata, KVCacheLayer
 from kvops.schema.errors import ConfigError
 
@@ -106,9 +106,10 @@ class LlamaModel:
             layer.gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
             layer.down = w(p + "mlp.down_proj.weight")
             self.layers.append(layer)
-        # Chosen on these weights, as a decode step reads them (engine/linear.py).
-        self.linear_backend, self.linear = select_linear(
-            self.device, dtype, [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)])
+        # Chosen on these weights, as a decode step reads them, the head included (engine/linear.py).
+        self._linear_name, self.linear = select_linear(self.device, dtype, [
+            *(w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)), self.lm_head])
+        self._dispatch = self.linear if isinstance(self.linear, LinearDispatch) else None
 
         inv_freq, scaling = _rope_inv_freq(config)
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
@@ -117,6 +118,11 @@ class LlamaModel:
         sin = emb.sin() * scaling  # its first half negated, as `apply_rope` takes it
         sin[:, : sin.shape[1] // 2].neg_()
         self.sin_signed = sin.to(self.device, dtype)
+
+    @property
+    def linear_backend(self) -> str:
+        """The matmul backend split now (it can change while serving: engine/linear.py)."""
+        return self._dispatch.name if self._dispatch is not None else self._linear_name
 
     @property
     def nbytes(self) -> int:
@@ -185,4 +191,7 @@ class LlamaModel:
             gate, up = linear(h, layer.gate_up, None).split(self.intermediate_size, dim=-1)
             x = x + linear(F.silu(gate) * up, layer.down, None)
         x = self._rms_norm(x[logits_indices], self.norm)
-        return linear(x, self.lm_head, None).float()
+        logits = linear(x, self.lm_head, None).float()
+        if self._dispatch is not None:
+            self._dispatch.step_done()
+        return logits

@@ -1,5 +1,6 @@
-"""The matmul backend the engine picks at start (engine/linear.py): the split from measured timings, the
-KVOPS_LINEAR override, and that whichever path a row count takes computes F.linear's values."""
+"""The matmul backend the engine picks (engine/linear.py): the split from measured timings, the medians of
+interleaved rounds that a slow spell does not move, the measurement taken again while serving when the steps drift
+from it, the KVOPS_LINEAR override, and that whichever path a row count takes computes F.linear's values."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def test_auto_sends_row_counts_up_to_the_measured_split_to_f_linear(monkeypatch)
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this PyTorch build has no oneDNN")
     monkeypatch.delenv("KVOPS_LINEAR", raising=False)
-    monkeypatch.setattr(linear, "torch_rows", lambda weights: (2, {"torch": [], "onednn": []}))
+    monkeypatch.setattr(linear, "torch_rows", lambda weights: (2, {"torch": [5.0, 6.0, 9.0], "onednn": [8.0] * 3}))
     taken: list[tuple[str, int]] = []
     for name in ("_torch_linear", "_onednn_linear"):
         real = getattr(linear, name)
@@ -62,3 +63,94 @@ def test_auto_sends_row_counts_up_to_the_measured_split_to_f_linear(monkeypatch)
         x = torch.randn(rows, 64)
         torch.testing.assert_close(fn(x, weight, None), F.linear(x, weight), rtol=1e-5, atol=1e-5)
     assert taken == [("_torch_linear", 1), ("_torch_linear", 2), ("_onednn_linear", 3), ("_onednn_linear", 8)]
+
+
+class FakeBackends:
+    """Backends that take scripted milliseconds on a fake perf_counter, and the calls they got."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, ms: dict[str, float]) -> None:
+        self.now, self.ms, self.calls = 0.0, ms, []
+        monkeypatch.setattr(linear.time, "perf_counter", lambda: self.now)
+        for name in ("torch", "onednn"):
+            monkeypatch.setattr(linear, f"_{name}_linear", lambda x, w, b=None, name=name: self._call(name, x))
+
+    def _call(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append((name, x.shape[0]))
+        self.now += self.ms[name] / 1000
+        return x
+
+
+def test_a_slow_spell_in_one_round_does_not_flip_the_choice(monkeypatch):
+    # oneDNN is faster (20 against 30 ms a pass), but the first round's oneDNN passes come in a slow spell (45 ms).
+    fake = FakeBackends(monkeypatch, {"torch": 30.0, "onednn": 20.0})
+    real_call = fake._call
+
+    def spell(name: str, x: torch.Tensor) -> torch.Tensor:
+        slow = name == "onednn" and len(fake.calls) < 2 * len(linear.PROBE_ROWS)  # round one
+        fake.ms["onednn"] = 45.0 if slow else 20.0
+        return real_call(name, x)
+
+    fake._call = spell  # type: ignore[method-assign]
+    rows, timings = linear.torch_rows([torch.zeros(8, 4)])
+    assert rows == 0 and timings == {"torch": [30.0] * 3, "onednn": [20.0] * 3}
+    # Five rounds, each backend's order alternating: oneDNN first in round one, F.linear first in round two.
+    assert len(fake.calls) == 2 * 3 * linear.ROUNDS
+    assert fake.calls[:2] == [("onednn", 1), ("torch", 1)] and fake.calls[6:8] == [("torch", 1), ("onednn", 1)]
+
+
+def _dispatch(monkeypatch, measured: tuple[int, dict[str, list[float]]]):
+    clock = [0.0]
+    measures: list[int] = []
+
+    def measure(weights):
+        measures.append(len(weights))
+        return measured
+
+    start = {"torch": [36.7, 40.0, 45.0], "onednn": [42.2, 43.0, 44.0]}  # a start in a slow spell: torch at 1 row
+    dispatch = linear.LinearDispatch([torch.zeros(8, 4)], start, measure=measure, clock=lambda: clock[0])
+    return dispatch, clock, measures
+
+
+def _steps(dispatch: linear.LinearDispatch, rows: int, n: int = linear.WATCH_STEPS, calls: int = 2) -> None:
+    for _ in range(n):
+        for _ in range(calls):
+            dispatch(torch.zeros(rows, 4), torch.zeros(8, 4))
+        dispatch.step_done()
+
+
+def test_steps_that_drift_from_the_measurement_measure_again_and_change_the_split(monkeypatch):
+    fake = FakeBackends(monkeypatch, {"torch": 10.0, "onednn": 8.0})  # 20 ms a step in linears at one row
+    dispatch, clock, measures = _dispatch(monkeypatch, (0, {"torch": [20.0] * 3, "onednn": [16.0] * 3}))
+    assert dispatch.rows == 1 and dispatch.name == "torch up to 1 rows, onednn above"
+    _steps(dispatch, 1)
+    assert measures == []  # drifted (20 against 36.7 ms), but within the first minute of serving
+    clock[0] = linear.RECHECK_AFTER_S + 1
+    _steps(dispatch, 1)
+    assert measures == [1] and dispatch.rows == 0 and dispatch.name == "onednn" and dispatch.changes == 1
+    fake.calls.clear()
+    _steps(dispatch, 1, n=1)
+    assert fake.calls == [("onednn", 1), ("onednn", 1)]  # one row goes to oneDNN now
+
+
+def test_steps_as_measured_mixed_steps_and_a_confirmed_split_do_not_measure_again_soon(monkeypatch):
+    fake = FakeBackends(monkeypatch, {"torch": 18.35, "onednn": 21.1})  # 36.7 ms a 1-row step: as measured
+    dispatch, clock, measures = _dispatch(monkeypatch, (1, {"torch": [20.0] * 3, "onednn": [30.0] * 3}))
+    clock[0] = 1000.0
+    _steps(dispatch, 1)
+    assert measures == []
+    # A prefill step (many rows, then the head at one row) and 3-row steps (not probed) are not watched.
+    fake.ms["torch"] = fake.ms["onednn"] = 1.0
+    for _ in range(linear.WATCH_STEPS):
+        dispatch(torch.zeros(9, 4), torch.zeros(8, 4))
+        dispatch(torch.zeros(1, 4), torch.zeros(8, 4))
+        dispatch.step_done()
+    _steps(dispatch, 3)
+    assert measures == []
+    _steps(dispatch, 1)  # 2 ms against 36.7: measured again, the split confirmed
+    assert measures == [1] and dispatch.changes == 0 and dispatch.rechecks == 1
+    clock[0] += 2 * linear.RECHECK_AFTER_S - 1  # the next look waits twice as long
+    _steps(dispatch, 1)
+    assert measures == [1]
+    clock[0] += 2
+    _steps(dispatch, 1)
+    assert measures == [1, 1]
