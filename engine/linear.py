@@ -10,12 +10,14 @@ and sends the row counts where `F.linear` wins to it, the rest to oneDNN (operan
 
 One measurement used to decide the engine's speed for its whole life, and a transient flipped it: on a
 2-vCPU EPYC a start measured while a neighbour process was exiting chose MKL (36.7 against 42.2 ms a
-pass) and served one stream at 17 tok/s, the start before 43 tok/s. So the measurement is `ROUNDS`
-rounds, each backend's order alternating from round to round, and each number the median of the rounds;
-and while serving, `LinearDispatch` times its own calls at the probed row counts (two clock reads a call,
-~15 µs a step of ~35 ms) and measures again when the steps' time departs from what the measurement said
-by more than `DRIFT`: a start measured in a slow spell runs faster than predicted, and is caught. Every
-measurement and every change is logged.
+pass) and served one stream at 17 tok/s, the start before 43 tok/s. So the start's measurement is `ROUNDS`
+rounds, each backend's order alternating from round to round, and each number the median of the rounds.
+A busy spell longer than the measurement still moves the medians (measured here with two CPU burners
+through the start: oneDNN 976 against MKL's 50 ms a pass, where it is 37 against 42 quiet), so while
+serving `LinearDispatch` measures again (`RECHECK_ROUNDS` rounds, between two steps): after a minute, then
+at doubling intervals up to an hour while the split holds, and sooner when the steps' own linear time (it
+times its calls at the probed row counts: two clock reads a call, ~15 µs a step of ~35 ms) departs from
+the measurement by more than `DRIFT`. Every measurement and every change is logged.
 """
 
 from __future__ import annotations
@@ -53,10 +55,11 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 PROBE_ROWS = (1, 2, 4)
 _CLEAR_WIN = 0.9
 ROUNDS = 5  # a slow spell of one or two rounds does not move a median of five
-# While serving: the steps' linear time at a probed row count, over WATCH_STEPS steps (median), may depart
-# this much from the measurement before the backends are measured again; at most once per RECHECK_AFTER_S,
-# doubled each time a measurement confirms the split (a machine whose serving steps simply differ from the
-# probe's pays ~1 s an hour, not a measurement a minute).
+RECHECK_ROUNDS = 3  # while serving: a stall of ~1 s on the 2-vCPU EPYC, between two steps
+# While serving, the backends are measured again RECHECK_AFTER_S after the last measurement, the wait doubling
+# up to RECHECK_MAX_S while the split holds (back to the start when it changes); and sooner (but not within
+# RECHECK_AFTER_S of the last) when the steps' linear time at a probed row count, the median of WATCH_STEPS
+# steps, departs from the measurement by more than DRIFT.
 DRIFT = 0.3
 WATCH_STEPS = 16
 RECHECK_AFTER_S = 60.0
@@ -135,7 +138,7 @@ class LinearDispatch:
     measurement. The model calls it for every projection and `step_done()` after each forward pass."""
 
     def __init__(self, weights: list[torch.Tensor], timings: Timings,
-                 measure: Callable[[list[torch.Tensor]], tuple[int, Timings]] = torch_rows,
+                 measure: Callable[[list[torch.Tensor]], tuple[int, Timings]] = lambda w: torch_rows(w, RECHECK_ROUNDS),
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.weights = weights
         self.timings = timings
@@ -144,7 +147,8 @@ class LinearDispatch:
         self.changes = 0
         self._measure, self._clock = measure, clock
         self._recheck_after_s = RECHECK_AFTER_S
-        self._next_check = clock() + RECHECK_AFTER_S
+        self._last_check = clock()
+        self._next_check = self._last_check + RECHECK_AFTER_S
         self._spent = 0.0  # seconds in linear calls this step, while every call had the same row count
         self._step_rows = 0  # that row count; 0: none yet; -1: mixed (a prefill step's head, say): not timed
         self._watched = {m: deque[float](maxlen=WATCH_STEPS) for m in PROBE_ROWS}
@@ -166,14 +170,18 @@ class LinearDispatch:
 
     def step_done(self) -> None:
         """One forward pass ended: its linear time joins the watch of its row count, and the backends are
-        measured again when the watch departs from the measurement."""
+        measured again when it is time, or when the watch departs from the measurement."""
         m, spent = self._step_rows, self._spent
         self._step_rows, self._spent = 0, 0.0
+        now = self._clock()
+        if now >= self._next_check:
+            self.recheck(f"scheduled, {now - self._last_check:.0f} s after the last measurement")
+            return
         watched = self._watched.get(m)
         if watched is None:
             return
         watched.append(spent * 1000)
-        if len(watched) < WATCH_STEPS or self._clock() < self._next_check:
+        if len(watched) < WATCH_STEPS or now < self._last_check + RECHECK_AFTER_S:
             return
         backend = "torch" if m <= self.rows else "onednn"
         predicted = self.timings[backend][PROBE_ROWS.index(m)]
@@ -190,9 +198,10 @@ class LinearDispatch:
             watched.clear()
         changed = self.rows != before
         self.changes += changed
-        # A split confirmed: the serving steps differ from the probe on this machine; look again later.
+        # A split confirmed: look again later; a changed one: the machine is changing, look again soon.
         self._recheck_after_s = RECHECK_AFTER_S if changed else min(2 * self._recheck_after_s, RECHECK_MAX_S)
-        self._next_check = self._clock() + self._recheck_after_s
+        self._last_check = self._clock()
+        self._next_check = self._last_check + self._recheck_after_s
         log.info("linear backends measured again", reason=why, torch_up_to_rows=self.rows, ms_per_pass=self.timings,
                  before_ms_per_pass=before_timings, next_check_s=self._recheck_after_s)
         if changed:
