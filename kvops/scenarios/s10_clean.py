@@ -12,18 +12,22 @@ from kvops.scenarios.runner import ScenarioContext, ScenarioResult
 NAME = "clean"
 TITLE = "A clean mixed workload for two minutes: no diagnosis above info, no fix, no alert, no flap"
 DURATION_S = 120.0
+# Requests a second, all tenants. 1.5 queued on the 2-vCPU EPYC of 2026-12-04 (TTFT p95 6-7 s, 4 waiting on average
+# with 6 of 8 running: prefill-bound, in three runs, the code of the day before included), where it had passed the
+# day before: that machine's speed varies from day to day, and a clean workload is one the machine serves.
+RATE = 1.0
 
 
 def workload(duration_s: float, seed: int = 0) -> LoadSpec:
     """Two chat tenants sharing a system prompt, a RAG tenant with a few documents, short outputs."""
     return LoadSpec(seed=seed, duration_s=duration_s, streams=[
-        Stream(tenant="chat-a", rate=0.6, arrival="poisson", shared_prefix_tokens=160, prefix_key="system",
+        Stream(tenant="chat-a", rate=0.4 * RATE, arrival="poisson", shared_prefix_tokens=160, prefix_key="system",
                prompt=Lengths(dist="lognormal", median=40, sigma=0.5, min=8, max=200),
                output=Lengths(dist="uniform", low=8, high=32)),
-        Stream(tenant="chat-b", rate=0.6, arrival="poisson", shared_prefix_tokens=160, prefix_key="system",
+        Stream(tenant="chat-b", rate=0.4 * RATE, arrival="poisson", shared_prefix_tokens=160, prefix_key="system",
                prompt=Lengths(dist="lognormal", median=40, sigma=0.5, min=8, max=200),
                output=Lengths(dist="uniform", low=8, high=32)),
-        Stream(tenant="rag", rate=0.3, arrival="poisson", shared_prefix_tokens=400, prefix_groups=3,
+        Stream(tenant="rag", rate=0.2 * RATE, arrival="poisson", shared_prefix_tokens=400, prefix_groups=3,
                prompt=Lengths(dist="fixed", value=30), output=Lengths(dist="fixed", value=16)),
     ])
 
@@ -55,7 +59,7 @@ def run(duration_s: float = DURATION_S) -> ScenarioResult:
         result.evidence = {"requests": total.requests_finished, "failed": total.requests_failed, "diagnoses": seen,
                            "info": info, "fixes": fixes, "alerts": sorted(alerts), "flaps": flaps}
         result.before, result.after = 0.0, float(len(seen))
-        result.check("the workload ran", report.total.requests_finished > 0.8 * duration_s * 1.5 * 0.5,
+        result.check("the workload ran", report.total.requests_finished > 0.8 * duration_s * RATE * 0.5,
                      f"{report.total.requests_finished} requests finished")
         result.check("no diagnosis above info", not seen, "; ".join(f"{k}: {v}" for k, v in seen.items()))
         result.check("no fix", not fixes, "; ".join(fixes))
