@@ -22,8 +22,8 @@ from kvops.config_files import first_error, read_toml
 from kvops.engine.api_keys import tenant_name_problem
 from kvops.gateway.volatile import MASK_RULE, check_mask
 from kvops.schema.errors import ConfigError
+from kvops.schema.gateway import GROUP_PREFIX, ISOLATED, SHARED, TENANT_SALT_PREFIX
 
-SHARED, ISOLATED, GROUP_PREFIX = "shared", "isolated", "group:"
 CACHE_RULE = "'shared', 'isolated' or 'group:<name>'"
 
 
@@ -66,7 +66,7 @@ class TenantPolicy(BaseModel):
         if self.cache == SHARED:
             return None
         if self.cache == ISOLATED:
-            return f"tenant:{tenant}"
+            return f"{TENANT_SALT_PREFIX}{tenant}"
         return self.cache  # "group:<name>" is its own salt
 
     def updated(self, change: TenantPolicyUpdate) -> Self:

@@ -31,10 +31,10 @@ from typing import Any
 
 from kvops.engine.normalize import normalize_prompt
 from kvops.gateway.volatile import CATALOG, found, mask_text
+from kvops.schema.gateway import SHARED
 
 CHUNK_CHARS = 64  # about 16 tokens: a prefix shorter than a chunk is never counted as reused
 CAPACITY = 32768  # chunk hashes per cache (~2 MiB of text, a few MiB of memory)
-SHARED_NAMESPACE = "shared"  # the namespace of the prompts sent with no salt (kvops.gateway.policy's `shared`)
 EVERY_PATTERN = list(CATALOG)
 
 
@@ -128,7 +128,7 @@ class ShadowReuse:
         chars = reused = normalized = masked = 0
         volatile: dict[str, int] = {}
         shareable: dict[str, int] = {}
-        namespace = salt or SHARED_NAMESPACE
+        namespace = salt or SHARED  # prompts sent with no salt: the shared tenants' namespace
         for prompt in prompts:
             with self._lock:
                 own = self._raw.reuse(salt, prompt.sent)

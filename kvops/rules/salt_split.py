@@ -24,14 +24,12 @@ from kvops.history import EngineHistory
 from kvops.rules.common import WindowRuleSettings, covered_steady_span, diagnosis, fresh_latest
 from kvops.rules.gateway_reads import gateway_delta, hit_rate_objective, tenant_hit_rate
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity
-from kvops.schema.gateway import TENANT_SALT_PREFIX, GatewayView, gateway_fix
+from kvops.schema.gateway import GROUP_PREFIX, ISOLATED, SHARED, TENANT_SALT_PREFIX, GatewayView, gateway_fix
 from kvops.schema.snapshot import Snapshot
 
 RULE_ID = "salt_split"
 TITLE = "Prefixes split by cache salts: an isolated tenant sends text another namespace has cached"
 DESCRIPTION = "behind a kvops gateway, an isolated tenant's prompts would reuse far more by sharing a cache salt"
-
-SHARED, ISOLATED, GROUP_PREFIX = "shared", "isolated", "group:"  # the gateway's cache policies
 
 
 class Settings(WindowRuleSettings):

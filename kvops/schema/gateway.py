@@ -13,7 +13,10 @@ from pydantic import BaseModel, Field
 
 from kvops.schema.diagnosis import Fix, FixKind, Objective
 
-# The cache salts the gateway sends for a tenant's policy (kvops.gateway.policy): what vLLM's KV events report.
+# The cache policies of a gateway tenant (kvops.gateway.policy), and the salts the gateway sends for them: what
+# vLLM's KV events report. A group's salt is its policy string; a shared tenant sends none, and its namespace in
+# the gateway's shadow caches is called SHARED.
+SHARED, ISOLATED, GROUP_PREFIX = "shared", "isolated", "group:"
 TENANT_SALT_PREFIX = "tenant:"
 
 
