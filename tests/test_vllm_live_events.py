@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+from hang_up import hang_up
 from test_vllm_managed import Served, _chats, real
 from waiting import wait_for
 
@@ -176,9 +177,9 @@ def test_clients_that_hang_up_mid_stream_are_abandoned_requests(served):
     """vLLM 0.32 stops a request whose client hung up but counts it neither as an abort nor as ended: the snapshot
     reads the gap (a first token, no end) as abandoned requests, aborted_requests names them, and so does doctor.
 
-    Now and then vLLM does not notice a hang-up and runs the request to its max_tokens (seen in CI on a 2-vCPU
-    EPYC: 5 of 6 stopped, the sixth generated on for 30 s). Such a request ended, in vLLM's own
-    e2e_request_latency count, and is rightly not abandoned: the test expects the streams vLLM did not end."""
+    In CI one of 6 streams once ran on to its max_tokens, the client's hang-up late or missed (see hang_up.py: the
+    clients are child processes now). A stream vLLM runs to its end is ended, in its own e2e_request_latency count,
+    and rightly not abandoned: the test expects the streams vLLM did not end, at least half of them."""
     url = served.engine()["url"]
     before = served.api.get("/api/engines/vllm/snapshot").json()["requests"]
     aborts = _aborts_counted(served)
@@ -189,10 +190,7 @@ def test_clients_that_hang_up_mid_stream_are_abandoned_requests(served):
     for _ in range(streams):
         body = {"model": "smollm2", "prompt": _tokens(rng, 40), "max_tokens": 400, "stream": True,
                 "ignore_eos": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
-            chunks = response.iter_lines()
-            for _ in range(3):  # a few tokens, then the client goes away
-                next(chunks)
+        hang_up(f"{url}/v1/completions", body)  # a few tokens, then the client goes away
     # 400 tokens at vLLM-CPU's ~13 tok/s here: a stream it did not stop ends within about 35 s
     wait_for("vLLM to let go of the streams", lambda: _vllm(served, "num_requests_running") == 0, 120)
     abandoned = streams - round(_vllm(served, "e2e_request_latency_seconds_count") - ended)
