@@ -26,6 +26,7 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+COMPILE_MODES = ("auto", "on", "off")
 PREEMPTION_MODES = ("swap", "recompute")
 EVICTION_POLICIES = ("lru", "lfu")
 NORMALIZATION_MODES = tuple(mode.value for mode in NormalizationMode)
@@ -148,6 +149,11 @@ class EngineConfig:
                 "else cpu), cpu, cuda or cuda:N. --dtype auto follows it: float32 on CPU, bfloat16 on CUDA; on CUDA "
                 "the attention and cache-write ops are the Triton kernels (default: %(default)s)",
         metavar="auto|cpu|cuda|cuda:N")
+    compile: str = setting(
+        "auto", "the compiled CPU step (fused ops, decode attention reading K/V in place), built with the machine's "
+                "C++ compiler at the first start and cached: auto (on where a compiler is present, else off with one "
+                "log line saying why), on (refuse to start without it) or off (default: %(default)s)",
+        choices=COMPILE_MODES)
     gpu_memory_utilization: float | str = setting(
         0.9, "CUDA only: fraction of the device's total memory kvops may use (weights, activations and KV cache, "
              "vLLM's meaning); the KV cache gets what is left after the weights and an activation headroom, capped "

@@ -15,6 +15,7 @@ import torch
 from kvops import kernels
 from kvops.engine.block_manager import DEFAULT_TENANT, BlockManager
 from kvops.engine.capacity import Capacity
+from kvops.engine.compiled import compile_step
 from kvops.engine.config import EngineConfig
 from kvops.engine.device import activation_headroom, default_dtype, plan_gpu_kv_budget, resolve_device
 from kvops.engine.errors import InvalidRequestError
@@ -76,6 +77,8 @@ class LLMEngine:
             )
         self.dtype = default_dtype(self.device) if config.dtype == "auto" else getattr(torch, config.dtype)
         self.model = LlamaModel(hf, loaded.state_dict, self.dtype, self.max_model_len, self.device)
+        self.compiled = compile_step(config.compile, self.device, self.kernel_backend)
+        self.model.use_compiled(self.compiled.ops)
         if config.debug_scale_k:
             self._scale_keys(config.debug_scale_k)
         del loaded
@@ -103,7 +106,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.threads = ThreadGovernor(config.threads)
         log.info(self.capacity.describe(), model=self.model_name, device=str(self.device), dtype=self.dtype_name,
-                 kernels=self.kernel_backend, linear=self.model.linear_backend, pool_bytes=self.kv_pool.allocated_bytes,
+                 kernels=self.kernel_backend, linear=self.model.linear_backend, compile=self.compiled.state,
+                 compile_s=self.compiled.seconds, pool_bytes=self.kv_pool.allocated_bytes,
                  kv_cache_dtype=self.kv_cache_dtype_name,
                  kv_cache_dtype_skip_layers=list(config.kv_cache_dtype_skip_layers),
                  block_size=config.block_size, num_blocks=self.capacity.num_blocks,

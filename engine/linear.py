@@ -50,6 +50,11 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out if bias is None else out + bias
 
 
+def backend(onednn: bool) -> Linear:
+    """One of the two backends: oneDNN, or F.linear (MKL)."""
+    return _onednn_linear if onednn else _torch_linear
+
+
 # Row counts tried; F.linear takes a count when it is clearly (10%) faster there. Above the largest,
 # oneDNN always.
 PROBE_ROWS = (1, 2, 4)
@@ -96,34 +101,41 @@ def select_linear(device: torch.device, dtype: torch.dtype,
     return dispatch.name, dispatch
 
 
-def torch_rows(weights: list[torch.Tensor], rounds: int = ROUNDS) -> tuple[int, Timings]:
-    """The largest of PROBE_ROWS up to which F.linear beats oneDNN clearly at every count (0: nowhere), and
-    each backend's time for one pass over all `weights` per row count, in ms: the median of `rounds` rounds,
-    the backends interleaved and their order alternating, so that a slow spell hits both and moves neither
-    median."""
+def measure(weights: list[torch.Tensor], backends: dict[str, Linear], rounds: int = ROUNDS,
+            probe_rows: tuple[int, ...] = PROBE_ROWS) -> Timings:
+    """Each backend's time for one pass over all `weights` per `probe_rows` count, in ms: the median of `rounds`
+    rounds, the backends interleaved and their order alternating, so that a slow spell hits both and moves
+    neither median."""
     generator = torch.Generator().manual_seed(0)
     widths = sorted({w.shape[1] for w in weights})
-    samples: dict[str, list[list[float]]] = {"torch": [[] for _ in PROBE_ROWS], "onednn": [[] for _ in PROBE_ROWS]}
-    backends = (("onednn", _onednn_linear), ("torch", _torch_linear))
-    inputs = [{k: torch.randn(m, k, generator=generator).to(weights[0].dtype) for k in widths} for m in PROBE_ROWS]
+    samples: dict[str, list[list[float]]] = {name: [[] for _ in probe_rows] for name in backends}
+    order = list(backends.items())
+    inputs = [{k: torch.randn(m, k, generator=generator).to(weights[0].dtype) for k in widths} for m in probe_rows]
     for round_ in range(rounds):
-        for i in range(len(PROBE_ROWS)):
-            for name, fn in backends if round_ % 2 == 0 else backends[::-1]:
+        for i in range(len(probe_rows)):
+            for name, fn in order if round_ % 2 == 0 else order[::-1]:
                 started = time.perf_counter()
                 for w in weights:
                     fn(inputs[i][w.shape[1]], w, None)
                 samples[name][i].append((time.perf_counter() - started) * 1000)
-    timings = {name: [round(statistics.median(s), 2) for s in per_rows] for name, per_rows in samples.items()}
+    return {name: [round(statistics.median(s), 2) for s in per_rows] for name, per_rows in samples.items()}
+
+
+def torch_rows(weights: list[torch.Tensor], rounds: int = ROUNDS) -> tuple[int, Timings]:
+    """The largest of PROBE_ROWS up to which F.linear beats oneDNN clearly at every count (0: nowhere), and
+    the timings (`measure`) that say so."""
+    timings = measure(weights, {"onednn": _onednn_linear, "torch": _torch_linear}, rounds)
     return torch_rows_from(timings), timings
 
 
-def torch_rows_from(timings: Timings) -> int:
-    """The split from timings per PROBE_ROWS count: the largest count up to which F.linear is clearly faster at
-    every count from one row up (0: not even at one row). One threshold, so a win at 4 rows after a loss at 2
-    does not count."""
+def torch_rows_from(timings: Timings, fast: str = "torch", base: str = "onednn",
+                    probe_rows: tuple[int, ...] = PROBE_ROWS) -> int:
+    """The split from timings per `probe_rows` count: the largest count up to which `fast` (F.linear) is clearly
+    faster than `base` (oneDNN) at every count from one row up (0: not even at one row). One threshold, so a win
+    at 4 rows after a loss at 2 does not count."""
     rows = 0
-    for m, torch_ms, onednn_ms in zip(PROBE_ROWS, timings["torch"], timings["onednn"], strict=True):
-        if torch_ms >= _CLEAR_WIN * onednn_ms:
+    for m, fast_ms, base_ms in zip(probe_rows, timings[fast], timings[base], strict=True):
+        if fast_ms >= _CLEAR_WIN * base_ms:
             break
         rows = m
     return rows
@@ -157,16 +169,24 @@ class LinearDispatch:
     def name(self) -> str:
         return split_name(self.rows)
 
+    def onednn_for(self, rows: int) -> bool:
+        """Whether `rows` rows go to oneDNN (else F.linear)."""
+        return rows > self.rows or rows > PROBE_ROWS[-1]
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         m = x.shape[0]
-        if m > PROBE_ROWS[-1]:
-            self._step_rows = -1
-            return _onednn_linear(x, weight, bias)
         started = time.perf_counter()
-        out = _torch_linear(x, weight, bias) if m <= self.rows else _onednn_linear(x, weight, bias)
-        self._spent += time.perf_counter() - started
-        self._step_rows = m if self._step_rows in (0, m) else -1
+        out = _onednn_linear(x, weight, bias) if self.onednn_for(m) else _torch_linear(x, weight, bias)
+        self.account(m, time.perf_counter() - started)
         return out
+
+    def account(self, rows: int, seconds: float) -> None:
+        """`seconds` of matmuls at `rows` rows this step, timed here or by the compiled step (engine/compiled.py)."""
+        if rows > PROBE_ROWS[-1]:
+            self._step_rows = -1
+            return
+        self._spent += seconds
+        self._step_rows = rows if self._step_rows in (0, rows) else -1
 
     def step_done(self) -> None:
         """One forward pass ended: its linear time joins the watch of its row count, and the backends are

@@ -9,13 +9,18 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import structlog
 import torch
 import torch.nn.functional as F
 
 from kvops import kernels
-from kvops.engine.linear import LinearDispatch, select_linear
-from kvops.kernels import AttentionMetadata, KVCacheLayer
+from kvops.engine.linear import LinearDispatch, backend, measure, select_linear, torch_rows_from
+from kvops.kernels import AttentionMetadata, KVCacheLayer, cascade_attention
 from kvops.schema.errors import ConfigError
+
+log = structlog.get_logger("kvops.engine.model")
+
+GEMV_PROBE_ROWS = (1, 2, 4, 8, 16)  # row counts the compiled matmul is measured at against the chosen backend
 
 # Sees each layer's new K and V (after RoPE) before they are written to the cache.
 KVObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -107,9 +112,13 @@ class LlamaModel:
             layer.down = w(p + "mlp.down_proj.weight")
             self.layers.append(layer)
         # Chosen on these weights, as a decode step reads them, the head included (engine/linear.py).
-        self._linear_name, self.linear = select_linear(self.device, dtype, [
-            *(w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)), self.lm_head])
+        self._matmul_weights = [*(w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)),
+                                self.lm_head]
+        self._linear_name, self.linear = select_linear(self.device, dtype, self._matmul_weights)
         self._dispatch = self.linear if isinstance(self.linear, LinearDispatch) else None
+        self.ops: Any = None  # the compiled step's ops (engine/compiled.py), once the engine loads them
+        self._layer_weights: list[torch.Tensor | None] = []
+        self._gemv_rows = 0  # decode steps of up to this many rows use the compiled matmul (`use_compiled`)
 
         inv_freq, scaling = _rope_inv_freq(config)
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
@@ -144,6 +153,105 @@ class LlamaModel:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * h.to(x.dtype)
 
+    def use_compiled(self, ops: Any) -> None:
+        """Run the step with the compiled ops (engine/compiled.py), or unfused again with None."""
+        self.ops = ops
+        # decode_layers takes the layers' weights as one flat list, seven a layer
+        self._layer_weights = [w for layer in self.layers for w in (
+            layer.input_norm, layer.qkv, layer.qkv_bias, layer.o, layer.post_norm, layer.gate_up, layer.down)]
+        self._gemv_rows = 0
+        if ops is not None and self.dtype == torch.float32:
+            # The compiled fp32 matmul against the backend engine/linear.py chose, at 1 to 16 rows, measured as
+            # that choice is; it takes the row counts up to which it is clearly faster at each.
+            def chosen(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+                return backend(self._onednn_for(x.shape[0]))(x, w, b)
+
+            timings = measure(self._matmul_weights, {"compiled": lambda x, w, b: ops.gemv(x, w), "chosen": chosen},
+                              probe_rows=GEMV_PROBE_ROWS)
+            self._gemv_rows = torch_rows_from(timings, fast="compiled", base="chosen", probe_rows=GEMV_PROBE_ROWS)
+            log.info("compiled matmul measured", compiled_up_to_rows=self._gemv_rows, ms_per_pass=timings)
+
+    @staticmethod
+    def _cascades(meta: AttentionMetadata) -> bool:
+        """Whether decode rows share a long prefix: the reference reads it once for all of them (a GEMM), which
+        beat reading it per row in place (16 rows on a 1000-token prefix: 2.5 against 3.2 ms a layer)."""
+        return meta.num_decode_tokens > 1 and cascade_attention.plan(meta) is not None
+
+    def _onednn_for(self, rows: int) -> bool:
+        if self._dispatch is not None:
+            return self._dispatch.onednn_for(rows)
+        return self._linear_name == "onednn"
+
+    def _decode_layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       kv_cache: Sequence[KVCacheLayer], observer: KVObserver | None) -> torch.Tensor | None:
+        """All layers in one compiled call, for a step where every token decodes and every layer's cache holds the
+        model dtype (the steady state of serving); None for any other step."""
+        if (self.ops is None or observer is not None or meta.prefills or x.shape[0] != meta.num_decode_tokens
+                or any(layer.kind != "auto" for layer in kv_cache) or self._cascades(meta)):
+            return None
+        rows = x.shape[0]
+        gemv = rows <= self._gemv_rows
+        x, linear_s = self.ops.decode_layers(
+            x, self._layer_weights, [layer.data for layer in kv_cache], positions, self.cos, self.sin_signed,
+            meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens, self.num_heads, self.num_kv_heads,
+            self.scale, self.eps, self._onednn_for(rows), gemv)
+        if self._dispatch is not None and not gemv:  # the dispatch watches its own backends' time
+            self._dispatch.account(rows, linear_s)
+        return x
+
+    def _attention(self, i: int, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                   layer_cache: KVCacheLayer, observer: KVObserver | None,
+                   rope: dict[str, torch.Tensor]) -> torch.Tensor:
+        """RoPE on q and k, k and v into the cache, attention over the cache: [tokens, heads * head_dim]."""
+        tokens, num_decode = qkv.shape[0], meta.num_decode_tokens
+        if self.ops is not None and observer is None and layer_cache.kind == "auto":
+            # Compiled: one op ropes and writes, decode rows read their blocks where they lie.
+            q = self.ops.rope_write(qkv, positions, self.cos, self.sin_signed, layer_cache.data, meta.slot_mapping,
+                                    self.num_heads, self.num_kv_heads)
+            parts = []
+            if num_decode and self._cascades(meta):
+                parts.append(kernels.paged_decode_attention(q[:num_decode], layer_cache, meta, self.scale))
+            elif num_decode:
+                parts.append(self.ops.paged_decode(q[:num_decode], layer_cache.data, meta.decode_block_tables,
+                                                   meta.decode_context_lens, self.scale))
+            if meta.prefills:
+                parts.append(kernels.paged_prefill_attention(q[num_decode:], layer_cache, meta, self.scale))
+            return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(tokens, -1)
+        if not rope:  # once a step, for the first layer that needs them
+            rope["cos"] = self.cos[positions].unsqueeze(1)
+            rope["sin"] = self.sin_signed[positions].unsqueeze(1)
+        qkv = qkv.contiguous()  # heads are viewed out of it below
+        # RoPE on q and k heads in one go: they are adjacent in the fused projection.
+        qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rope(qk, rope["cos"], rope["sin"])
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+        if observer is not None:
+            observer(i, k, v)
+        kernels.write_kv_cache(k, v, layer_cache, meta.slot_mapping)
+        parts = []
+        if num_decode:
+            parts.append(kernels.paged_decode_attention(q[:num_decode], layer_cache, meta, self.scale))
+        if meta.prefills:
+            parts.append(kernels.paged_prefill_attention(q[num_decode:], layer_cache, meta, self.scale))
+        attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return attn.reshape(tokens, -1)
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
+                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual `x + delta` (delta None: x as it is) and its RMSNorm."""
+        if self.ops is not None:
+            return x, self.ops.add_rms_norm(x, delta, weight, self.eps)  # x updated in place
+        if delta is not None:
+            x = x + delta
+        return x, self._rms_norm(x, weight)
+
+    def _mlp_activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.silu_mul(gate_up)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return F.silu(gate) * up
+
     @torch.inference_mode()
     def forward(
         self,
@@ -162,36 +270,26 @@ class LlamaModel:
         input_ids, positions, logits_indices = (t.to(device, non_blocking=True)
                                                 for t in (input_ids, positions, logits_indices))
         meta = meta.to(device)
-        tokens = input_ids.shape[0]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin_signed[positions].unsqueeze(1)
-        num_decode = meta.num_decode_tokens
         linear = self.linear
+        rope: dict[str, torch.Tensor] = {}
         x = F.embedding(input_ids, self.embed)
-        for i, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer.input_norm)
-            qkv = linear(h, layer.qkv, layer.qkv_bias).contiguous()  # heads are viewed out of it below
-            # RoPE on q and k heads in one go: they are adjacent in the fused projection.
-            qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = apply_rope(qk, cos, sin)
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-            v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
-            layer_cache = kv_cache[i]
-            if observer is not None:
-                observer(i, k, v)
-            kernels.write_kv_cache(k, v, layer_cache, meta.slot_mapping)
-            parts = []
-            if num_decode:
-                parts.append(kernels.paged_decode_attention(q[:num_decode], layer_cache, meta, self.scale))
-            if meta.prefills:
-                parts.append(kernels.paged_prefill_attention(q[num_decode:], layer_cache, meta, self.scale))
-            attn = parts[0] if len(parts) == 1 else torch.cat(parts)
-            x = x + linear(attn.reshape(tokens, -1), layer.o, None)
-            h = self._rms_norm(x, layer.post_norm)
-            gate, up = linear(h, layer.gate_up, None).split(self.intermediate_size, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.down, None)
-        x = self._rms_norm(x[logits_indices], self.norm)
-        logits = linear(x, self.lm_head, None).float()
+        fused = self._decode_layers(x, positions, meta, kv_cache, observer)
+        if fused is not None:
+            x = fused
+        else:
+            delta = None  # what the last sublayer adds to the residual stream x
+            for i, layer in enumerate(self.layers):
+                x, h = self._add_norm(x, delta, layer.input_norm)
+                qkv = linear(h, layer.qkv, layer.qkv_bias)
+                attn = self._attention(i, qkv, positions, meta, kv_cache[i], observer, rope)
+                x, h = self._add_norm(x, linear(attn, layer.o, None), layer.post_norm)
+                delta = linear(self._mlp_activation(linear(h, layer.gate_up, None)), layer.down, None)
+            x = x + delta if delta is not None else x
+        _, x = self._add_norm(x[logits_indices], None, self.norm)
+        if 0 < x.shape[0] <= self._gemv_rows:
+            logits = self.ops.gemv(x, self.lm_head)
+        else:
+            logits = linear(x, self.lm_head, None).float()
         if self._dispatch is not None:
             self._dispatch.step_done()
         return logits

@@ -68,6 +68,7 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
         max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_bytes=engine.capacity.pool_bytes,
         bytes_per_token=engine.capacity.bytes_per_token, host_kv_cache_bytes=engine.kv_pool.host_pool_bytes,
         enable_prefix_caching=bm.enable_prefix_caching, eviction_policy=bm.eviction_policy,
+        compile=engine.compiled.state, compile_s=engine.compiled.seconds,
     )
 
 

@@ -46,6 +46,15 @@ QUESTIONS = [
 ]
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The compiled step (engine/compiled.py) is built before any test starts an engine: a first build takes
+    ~20-30 s here, and engines started later, in this process or as `kvops engine serve`, load it in
+    milliseconds instead of waiting for it within their tests' start timeouts."""
+    from kvops.engine.compiled import compile_step
+
+    compile_step("auto", torch.device("cpu"), "torch")
+
+
 @pytest.fixture(scope="session")
 def llm() -> LLM:
     """One engine on the default model for tests that only read its behaviour."""

@@ -63,7 +63,8 @@ def test_every_engine_setting_has_a_flag_that_round_trips():
                 "kv_cache_dtype_skip_layers": [0, 5],
                 "swap_space": "1GiB", "preemption_mode": "swap", "api_keys_file": "/etc/kvops/keys",
                 "api_keys_env": "KVOPS_API_KEYS", "trust_client_tenant": True, "max_tenant_labels": 5,
-                "debug_scale_k": "3:1000", "threads": "1", "device": "cpu", "gpu_memory_utilization": 0.5}
+                "debug_scale_k": "3:1000", "threads": "1", "device": "cpu", "compile": "off",
+                "gpu_memory_utilization": 0.5}
     assert tuple(settings) == ENGINE_SETTINGS
     config = engine_config_from_args(parser.parse_args(engine_flags(settings)))
     assert config == EngineConfig(**settings)

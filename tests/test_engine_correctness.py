@@ -1,4 +1,4 @@
-"""Greedy fp32 decoding is token-for-token what transformers' `generate` gives, in every mode."""
+"""Greedy fp32 decoding is token-for-token what transformers' `generate` gives, in every mode, compiled or not."""
 
 from __future__ import annotations
 
@@ -16,12 +16,14 @@ def _mismatches(outputs: list[list[int]], expected: list[list[int]]) -> list[int
     return [i for i, (got, want) in enumerate(zip(outputs, expected, strict=True)) if got != want]
 
 
+# The compiled step (--compile, engine/compiled.py) and the unfused one; the other tests here run at the default,
+# auto, which compiles where a C++ compiler is present, as in CI.
 @pytest.mark.parametrize(
-    ("block_size", "prefix_caching"),
-    [(16, True), (16, False), (1, True), (8, True), (32, False)],
+    ("block_size", "prefix_caching", "compile"),
+    [(16, True, "on"), (16, True, "off"), (16, False, "on"), (1, True, "on"), (8, True, "off"), (32, False, "on")],
 )
-def test_batched_greedy_matches_transformers(block_size, prefix_caching, chat_prompts, hf_greedy):
-    llm = LLM(EngineConfig(block_size=block_size, enable_prefix_caching=prefix_caching,
+def test_batched_greedy_matches_transformers(block_size, prefix_caching, compile, chat_prompts, hf_greedy):
+    llm = LLM(EngineConfig(block_size=block_size, enable_prefix_caching=prefix_caching, compile=compile,
                            kv_cache_memory="128MiB", max_model_len=1024))
     outputs = llm.generate(chat_prompts, GREEDY)
     assert _mismatches([o.token_ids for o in outputs], hf_greedy) == []

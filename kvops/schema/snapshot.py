@@ -89,6 +89,8 @@ class EngineInfo(BaseModel):
     host_kv_cache_bytes: int = 0
     enable_prefix_caching: bool
     eviction_policy: str
+    compile: str = "off"  # the compiled step: built (at this start), cached (an earlier start's build) or off
+    compile_s: float = 0.0  # seconds this start spent building or loading it (or finding why not)
 
 
 class BlockStats(BaseModel):
