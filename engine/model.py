@@ -20,7 +20,9 @@ from kvops.schema.errors import ConfigError
 
 log = structlog.get_logger("kvops.engine.model")
 
-GEMV_PROBE_ROWS = (1, 2, 4, 8, 16)  # row counts the compiled matmul is measured at against the chosen backend
+# Row counts the compiled matmul is measured at against the chosen backend (~1.7 s at each engine start here; 16
+# rows are left out, where oneDNN's blocking wins: 95 against 81 ms a pass on the 2-vCPU EPYC).
+GEMV_PROBE_ROWS = (1, 2, 4, 8)
 
 # Sees each layer's new K and V (after RoPE) before they are written to the cache.
 KVObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -50,6 +52,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     rotate_half's concatenation taken by one roll, the sign it applies kept in `sin_signed` (sin with its
     first half negated). The same bits as transformers' form (a negation is exact), three ops fewer."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
+
+
+def _compiled_layout(layer: KVCacheLayer) -> bool:
+    """Whether the compiled ops can read and write this layer's cache: the model dtype, unquantized, K and V each
+    in one piece (the block size profile's trial pools are K and V slices of the serving pool's memory)."""
+    return layer.kind == "auto" and layer.data[0].is_contiguous() and layer.data[1].is_contiguous()
 
 
 class Layer:
@@ -161,7 +169,7 @@ class LlamaModel:
             layer.input_norm, layer.qkv, layer.qkv_bias, layer.o, layer.post_norm, layer.gate_up, layer.down)]
         self._gemv_rows = 0
         if ops is not None and self.dtype == torch.float32:
-            # The compiled fp32 matmul against the backend engine/linear.py chose, at 1 to 16 rows, measured as
+            # The compiled fp32 matmul against the backend engine/linear.py chose, at 1 to 8 rows, measured as
             # that choice is; it takes the row counts up to which it is clearly faster at each.
             def chosen(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
                 return backend(self._onednn_for(x.shape[0]))(x, w, b)
@@ -187,7 +195,7 @@ class LlamaModel:
         """All layers in one compiled call, for a step where every token decodes and every layer's cache holds the
         model dtype (the steady state of serving); None for any other step."""
         if (self.ops is None or observer is not None or meta.prefills or x.shape[0] != meta.num_decode_tokens
-                or any(layer.kind != "auto" for layer in kv_cache) or self._cascades(meta)):
+                or not all(map(_compiled_layout, kv_cache)) or self._cascades(meta)):
             return None
         rows = x.shape[0]
         gemv = rows <= self._gemv_rows
@@ -204,7 +212,7 @@ class LlamaModel:
                    rope: dict[str, torch.Tensor]) -> torch.Tensor:
         """RoPE on q and k, k and v into the cache, attention over the cache: [tokens, heads * head_dim]."""
         tokens, num_decode = qkv.shape[0], meta.num_decode_tokens
-        if self.ops is not None and observer is None and layer_cache.kind == "auto":
+        if self.ops is not None and observer is None and _compiled_layout(layer_cache):
             # Compiled: one op ropes and writes, decode rows read their blocks where they lie.
             q = self.ops.rope_write(qkv, positions, self.cos, self.sin_signed, layer_cache.data, meta.slot_mapping,
                                     self.num_heads, self.num_kv_heads)

@@ -96,14 +96,13 @@ void rope_write_impl(const at::Tensor& qkv, const at::Tensor& positions, const a
                      int64_t kv_heads, at::Tensor& q) {
   const int64_t tokens = qkv.size(0), d = cos.size(1), half = d / 2;
   const int64_t s0 = qkv.stride(0), s1 = qkv.stride(1);
-  const int64_t num_slots = cache.size(1) * cache.size(2);
   const T* src = qkv.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   T* kc = cache.data_ptr<T>();
-  T* vc = kc + num_slots * kv_heads * d;
+  T* vc = kc + cache.stride(0);  // K and V may be two slices of a larger pool
   T* qp = q.data_ptr<T>();
   const int64_t items = tokens * (heads + kv_heads);
   at::parallel_for(0, items, std::max<int64_t>(1, kGrainFlops / (4 * d)), [&](int64_t begin, int64_t end) {
@@ -139,7 +138,7 @@ void rope_write_impl(const at::Tensor& qkv, const at::Tensor& positions, const a
 at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                       const at::Tensor& sin, at::Tensor cache, const at::Tensor& slots, int64_t heads,
                       int64_t kv_heads) {
-  TORCH_CHECK(cache.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(), "rope_write: layouts");
+  TORCH_CHECK(cache[0].is_contiguous() && cos.is_contiguous() && sin.is_contiguous(), "rope_write: layouts");
   TORCH_CHECK(cache.scalar_type() == qkv.scalar_type(), "rope_write: the cache must hold the model dtype");
   auto q = at::empty({qkv.size(0), heads, cos.size(1)}, qkv.options());
   if (qkv.scalar_type() == at::kFloat)
@@ -156,10 +155,10 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& cache, const at::T
                        const at::Tensor& lens, double scale, at::Tensor& out) {
   const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t bs = cache.size(2), kv_heads = cache.size(3), group = heads / kv_heads;
-  const int64_t num_slots = cache.size(1) * bs, width = tables.size(1);
+  const int64_t width = tables.size(1);
   const T* qp = q.data_ptr<T>();
   const T* kc = cache.data_ptr<T>();
-  const T* vc = kc + num_slots * kv_heads * d;
+  const T* vc = kc + cache.stride(0);
   const int64_t* table = tables.data_ptr<int64_t>();
   const int64_t* len = lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
@@ -209,7 +208,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& cache, const at::T
 // in the cache [2, blocks, block_size, kv_heads, d]. Query heads share a KV head in groups (GQA).
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
                         const at::Tensor& lens, double scale) {
-  TORCH_CHECK(q.is_contiguous() && cache.is_contiguous() && tables.is_contiguous() && lens.is_contiguous(),
+  TORCH_CHECK(q.is_contiguous() && cache[0].is_contiguous() && tables.is_contiguous() && lens.is_contiguous(),
               "paged_decode: layouts");
   TORCH_CHECK(cache.scalar_type() == q.scalar_type(), "paged_decode: the cache must hold the model dtype");
   auto out = at::empty_like(q);
