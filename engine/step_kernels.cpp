@@ -12,6 +12,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <ATen/record_function.h>
 
 #include <algorithm>
 #include <chrono>
@@ -305,7 +306,13 @@ std::tuple<at::Tensor, double> decode_layers(at::Tensor x, const c10::List<std::
   double linear_s = 0.0;
   auto linear = [&](const at::Tensor& in, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
     const auto started = std::chrono::steady_clock::now();
-    at::Tensor out = use_gemv ? gemv(in, w) : onednn ? onednn_linear(in, w) : at::linear(in, w);
+    at::Tensor out;
+    if (use_gemv) {
+      RECORD_FUNCTION("kvops_step::gemv", std::vector<c10::IValue>());  // seen by torch.profiler as a matmul
+      out = gemv(in, w);
+    } else {
+      out = onednn ? onednn_linear(in, w) : at::linear(in, w);
+    }
     if (bias.has_value()) out = out + *bias;
     linear_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     return out;
@@ -316,8 +323,16 @@ std::tuple<at::Tensor, double> decode_layers(at::Tensor x, const c10::List<std::
     auto weight = [&](size_t k) { return layers.get(7 * i + k); };
     at::Tensor h = add_rms_norm(x, delta, *weight(0), eps);
     at::Tensor qkv = linear(h, *weight(1), weight(2));
-    at::Tensor q = rope_write(qkv, positions, cos, sin, caches[i], slots, heads, kv_heads);
-    at::Tensor attn = paged_decode(q, caches[i], tables, lens, scale).view({rows, -1});
+    at::Tensor q;
+    {
+      RECORD_FUNCTION("kvops_step::rope_write", std::vector<c10::IValue>());
+      q = rope_write(qkv, positions, cos, sin, caches[i], slots, heads, kv_heads);
+    }
+    at::Tensor attn;
+    {
+      RECORD_FUNCTION("kvops_step::paged_decode", std::vector<c10::IValue>());
+      attn = paged_decode(q, caches[i], tables, lens, scale).view({rows, -1});
+    }
     h = add_rms_norm(x, linear(attn, *weight(3), std::nullopt), *weight(4), eps);
     delta = linear(silu_mul(linear(h, *weight(5), std::nullopt)), *weight(6), std::nullopt);
   }

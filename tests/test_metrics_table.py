@@ -56,6 +56,7 @@ NOT_EXPORTED = {
     "schema_version", "source", "unknown", "time", "metrics_read", "data_problems",  # about the snapshot itself
     "uptime_s",  # the start time is exported; uptime is time() minus it
     "engine.pid", "engine.kv_cache_dtype_skip_layers", "engine.host_kv_cache_bytes",  # /stats only
+    "engine.compile", "engine.compile_s",  # the compiled step: /stats and the engine's start line only
     "blocks.state_map", "blocks.owner_map", "blocks.owners",  # per-block maps: /stats only
     # windows and hit rates: PromQL rates the counters
     "prefix_cache.window_s", "prefix_cache.window_queries", "prefix_cache.window_hits",

@@ -24,7 +24,7 @@ def test_a_decode_step_splits_into_phases_and_op_groups(llm):
     assert sum(report["phases_ms"].values()) == pytest.approx(report["step_ms"], rel=0.02)
     assert report["phases_ms"]["forward"] > 0 and report["phases_ms"]["sample"] > 0
     groups = report["forward_ms_by_group"]
-    assert groups["matmul"] > 0 and groups["attention"] > 0
+    assert groups["matmul"] > 0 and groups["attention"] > 0  # compiled too: the one call records its parts
     assert sum(groups.values()) == pytest.approx(report["phases_ms"]["forward"], rel=0.02)
     assert report["sequences"] == 16 and report["top_ops"]
     # The bandwidth limit: SmolLM2-135M's weights in fp32 (538 MB) over a measured read rate.

@@ -32,9 +32,12 @@ from pathlib import Path
 from typing import Any
 
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # the compiled step's one call for every layer of a decode step (--compile): what it does between the ops it
+    # records (matmuls, RoPE and the cache write, attention), i.e. its norms, SiLU and residual adds
+    ("compiled layers", ("decode_layers",)),
     ("attention", ("scaled_dot_product", "flash_attention", "_efficient_attention", "softmax", "baddbmm", "bmm",
                    "paged_decode")),
-    ("matmul", ("linear", "addmm", "aten::mm", "matmul")),
+    ("matmul", ("linear", "addmm", "aten::mm", "matmul", "gemv")),
     ("gather/copy", ("index", "gather", "copy_", "aten::cat", "clone", "contiguous", "_to_copy", "aten::to",
                      "stack", "aten::where")),
 )
