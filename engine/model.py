@@ -212,33 +212,28 @@ class LlamaModel:
                    rope: dict[str, torch.Tensor]) -> torch.Tensor:
         """RoPE on q and k, k and v into the cache, attention over the cache: [tokens, heads * head_dim]."""
         tokens, num_decode = qkv.shape[0], meta.num_decode_tokens
-        if self.ops is not None and observer is None and _compiled_layout(layer_cache):
-            # Compiled: one op ropes and writes, decode rows read their blocks where they lie.
+        compiled = self.ops is not None and observer is None and _compiled_layout(layer_cache)
+        if compiled:  # one op ropes and writes
             q = self.ops.rope_write(qkv, positions, self.cos, self.sin_signed, layer_cache.data, meta.slot_mapping,
                                     self.num_heads, self.num_kv_heads)
-            parts = []
-            if num_decode and self._cascades(meta):
-                parts.append(kernels.paged_decode_attention(q[:num_decode], layer_cache, meta, self.scale))
-            elif num_decode:
-                parts.append(self.ops.paged_decode(q[:num_decode], layer_cache.data, meta.decode_block_tables,
-                                                   meta.decode_context_lens, self.scale))
-            if meta.prefills:
-                parts.append(kernels.paged_prefill_attention(q[num_decode:], layer_cache, meta, self.scale))
-            return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(tokens, -1)
-        if not rope:  # once a step, for the first layer that needs them
-            rope["cos"] = self.cos[positions].unsqueeze(1)
-            rope["sin"] = self.sin_signed[positions].unsqueeze(1)
-        qkv = qkv.contiguous()  # heads are viewed out of it below
-        # RoPE on q and k heads in one go: they are adjacent in the fused projection.
-        qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = apply_rope(qk, rope["cos"], rope["sin"])
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
-        if observer is not None:
-            observer(i, k, v)
-        kernels.write_kv_cache(k, v, layer_cache, meta.slot_mapping)
+        else:
+            if not rope:  # once a step, for the first layer that needs them
+                rope["cos"] = self.cos[positions].unsqueeze(1)
+                rope["sin"] = self.sin_signed[positions].unsqueeze(1)
+            qkv = qkv.contiguous()  # heads are viewed out of it below
+            # RoPE on q and k heads in one go: they are adjacent in the fused projection.
+            qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = apply_rope(qk, rope["cos"], rope["sin"])
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+            if observer is not None:
+                observer(i, k, v)
+            kernels.write_kv_cache(k, v, layer_cache, meta.slot_mapping)
         parts = []
-        if num_decode:
+        if num_decode and compiled and not self._cascades(meta):  # decode rows read their blocks where they lie
+            parts.append(self.ops.paged_decode(q[:num_decode], layer_cache.data, meta.decode_block_tables,
+                                               meta.decode_context_lens, self.scale))
+        elif num_decode:
             parts.append(kernels.paged_decode_attention(q[:num_decode], layer_cache, meta, self.scale))
         if meta.prefills:
             parts.append(kernels.paged_prefill_attention(q[num_decode:], layer_cache, meta, self.scale))
