@@ -76,9 +76,9 @@ class LLMEngine:
                 f"{limit}: use {limit} or less"
             )
         self.dtype = default_dtype(self.device) if config.dtype == "auto" else getattr(torch, config.dtype)
-        self.model = LlamaModel(hf, loaded.state_dict, self.dtype, self.max_model_len, self.device)
         self.compiled = compile_step(config.compile, self.device, self.kernel_backend)
-        self.model.use_compiled(self.compiled.ops)
+        self.model = LlamaModel(hf, loaded.state_dict, self.dtype, self.max_model_len, self.device,
+                                self.compiled.ops)
         if config.debug_scale_k:
             self._scale_keys(config.debug_scale_k)
         del loaded

@@ -18,6 +18,11 @@ serving `LinearDispatch` measures again (`RECHECK_ROUNDS` rounds, between two st
 at doubling intervals up to an hour while the split holds, and sooner when the steps' own linear time (it
 times its calls at the probed row counts: two clock reads a call, ~15 µs a step of ~35 ms) departs from
 the measurement by more than `DRIFT`. Every measurement and every change is logged.
+
+Where the engine runs the compiled step (engine/compiled.py) in fp32, its matmul is a third backend, measured
+in the same interleaved rounds up to `COMPILED_PROBE_ROWS` and watched the same way: a start measured in a busy
+spell had left it unused for the engine's life (one stream at 21 instead of 28 tok/s), since only the other
+two were measured again.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import structlog
 import torch
@@ -35,7 +41,8 @@ import torch.nn.functional as F
 log = structlog.get_logger("kvops.engine.linear")
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-Timings = dict[str, list[float]]  # backend -> ms per pass over the weights, one per PROBE_ROWS count
+# backend -> ms per pass over the weights at each probed row count (None: that backend is not probed there)
+Timings = dict[str, list[float | None]]
 
 
 def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,14 +57,12 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out if bias is None else out + bias
 
 
-def backend(onednn: bool) -> Linear:
-    """One of the two backends: oneDNN, or F.linear (MKL)."""
-    return _onednn_linear if onednn else _torch_linear
-
-
-# Row counts tried; F.linear takes a count when it is clearly (10%) faster there. Above the largest,
-# oneDNN always.
+# Row counts tried; a backend takes a count when it is clearly (10%) faster there. Above the largest, oneDNN
+# always. F.linear is tried up to PROBE_ROWS[-1] only: above, oneDNN won on every machine measured, and F.linear's
+# passes at 8 and 16 rows would be the slowest part of the measurement. The compiled matmul is tried up to 16 rows,
+# where it still won on the 2-vCPU EPYC (82 against oneDNN's 99 ms a pass).
 PROBE_ROWS = (1, 2, 4)
+COMPILED_PROBE_ROWS = (1, 2, 4, 8, 16)
 _CLEAR_WIN = 0.9
 ROUNDS = 5  # a slow spell of one or two rounds does not move a median of five
 RECHECK_ROUNDS = 3  # while serving: a stall of ~1 s on the 2-vCPU EPYC, between two steps
@@ -71,11 +76,37 @@ RECHECK_AFTER_S = 60.0
 RECHECK_MAX_S = 3600.0
 
 
-def select_linear(device: torch.device, dtype: torch.dtype,
-                  weights: list[torch.Tensor] | None = None) -> tuple[str, Linear]:
+def probe_rows_for(backends: dict[str, Linear] | list[str]) -> tuple[int, ...]:
+    return COMPILED_PROBE_ROWS if "compiled" in backends else PROBE_ROWS
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """Which backend takes a step of so many rows: the compiled matmul up to `compiled_rows`, F.linear up to
+    `torch_rows`, oneDNN above (0: none)."""
+
+    compiled_rows: int = 0
+    torch_rows: int = 0
+
+    def backend_for(self, rows: int) -> str:
+        if rows <= self.compiled_rows:
+            return "compiled"
+        return "torch" if rows <= self.torch_rows else "onednn"
+
+    @property
+    def name(self) -> str:
+        parts = [f"compiled up to {self.compiled_rows} rows"] if self.compiled_rows else []
+        if self.torch_rows > self.compiled_rows:
+            parts.append(f"torch up to {self.torch_rows} rows")
+        return ", ".join([*parts, "onednn above"]) if parts else "onednn"
+
+
+def select_linear(device: torch.device, dtype: torch.dtype, weights: list[torch.Tensor] | None = None,
+                  compiled: Linear | None = None) -> tuple[str, Linear]:
     """The fastest linear that agrees with F.linear on this device, and its name. `weights`: the model's
-    projections, as a decode step reads them, timed with both backends (none given: oneDNN for every row
-    count). With both measured, the linear is a `LinearDispatch` that keeps the choice right while serving."""
+    projections, as a decode step reads them, timed with each backend (none given: oneDNN for every row count);
+    `compiled`: the compiled step's matmul, a third backend. With the backends measured, the linear is a
+    `LinearDispatch` that keeps the choice right while serving."""
     choice = os.environ.get("KVOPS_LINEAR", "auto")
     if choice not in ("auto", "torch", "onednn"):
         raise ValueError(f"KVOPS_LINEAR={choice!r} is not one of auto, torch, onednn")
@@ -95,94 +126,109 @@ def select_linear(device: torch.device, dtype: torch.dtype,
         return "torch", _torch_linear
     if choice == "onednn" or not weights:
         return "onednn", _onednn_linear
-    rows, timings = torch_rows(weights)
-    log.info("linear backends measured", torch_up_to_rows=rows, ms_per_pass=timings, rounds=ROUNDS)
-    dispatch = LinearDispatch(weights, timings)
+    backends = {"torch": _torch_linear, "onednn": _onednn_linear, **({"compiled": compiled} if compiled else {})}
+    split, timings = measure_split(weights, backends)
+    log.info("linear backends measured", split=split.name, probe_rows=probe_rows_for(backends),
+             ms_per_pass=timings, rounds=ROUNDS)
+    dispatch = LinearDispatch(weights, backends, timings)
     return dispatch.name, dispatch
 
 
 def measure(weights: list[torch.Tensor], backends: dict[str, Linear], rounds: int = ROUNDS,
             probe_rows: tuple[int, ...] = PROBE_ROWS) -> Timings:
     """Each backend's time for one pass over all `weights` per `probe_rows` count, in ms: the median of `rounds`
-    rounds, the backends interleaved and their order alternating, so that a slow spell hits both and moves
-    neither median."""
+    rounds, the backends interleaved and their order alternating, so that a slow spell hits all and moves no
+    median. F.linear is not timed above PROBE_ROWS (None there)."""
     generator = torch.Generator().manual_seed(0)
     widths = sorted({w.shape[1] for w in weights})
     samples: dict[str, list[list[float]]] = {name: [[] for _ in probe_rows] for name in backends}
     order = list(backends.items())
     inputs = [{k: torch.randn(m, k, generator=generator).to(weights[0].dtype) for k in widths} for m in probe_rows]
     for round_ in range(rounds):
-        for i in range(len(probe_rows)):
+        for i, m in enumerate(probe_rows):
             for name, fn in order if round_ % 2 == 0 else order[::-1]:
+                if name == "torch" and m > PROBE_ROWS[-1]:
+                    continue
                 started = time.perf_counter()
                 for w in weights:
                     fn(inputs[i][w.shape[1]], w, None)
                 samples[name][i].append((time.perf_counter() - started) * 1000)
-    return {name: [round(statistics.median(s), 2) for s in per_rows] for name, per_rows in samples.items()}
+    return {name: [round(statistics.median(s), 2) if s else None for s in per_rows]
+            for name, per_rows in samples.items()}
 
 
-def torch_rows(weights: list[torch.Tensor], rounds: int = ROUNDS) -> tuple[int, Timings]:
-    """The largest of PROBE_ROWS up to which F.linear beats oneDNN clearly at every count (0: nowhere), and
-    the timings (`measure`) that say so."""
-    timings = measure(weights, {"onednn": _onednn_linear, "torch": _torch_linear}, rounds)
-    return torch_rows_from(timings), timings
+def measure_split(weights: list[torch.Tensor], backends: dict[str, Linear],
+                  rounds: int = ROUNDS) -> tuple[Split, Timings]:
+    """The split the backends' timings (`measure`, at `probe_rows_for(backends)`) give, and the timings."""
+    probe_rows = probe_rows_for(backends)
+    timings = measure(weights, backends, rounds, probe_rows)
+    return split_from(timings, probe_rows), timings
+
+
+def split_from(timings: Timings, probe_rows: tuple[int, ...] = PROBE_ROWS) -> Split:
+    """F.linear against oneDNN, then the compiled matmul (if timed) against whichever of them that gives."""
+    torch_rows = torch_rows_from(timings, probe_rows=probe_rows)
+    if "compiled" not in timings:
+        return Split(0, torch_rows)
+    chosen = [t if m <= torch_rows else o for m, t, o in zip(probe_rows, timings["torch"], timings["onednn"],
+                                                             strict=True)]
+    return Split(torch_rows_from({**timings, "chosen": chosen}, "compiled", "chosen", probe_rows), torch_rows)
 
 
 def torch_rows_from(timings: Timings, fast: str = "torch", base: str = "onednn",
                     probe_rows: tuple[int, ...] = PROBE_ROWS) -> int:
-    """The split from timings per `probe_rows` count: the largest count up to which `fast` (F.linear) is clearly
-    faster than `base` (oneDNN) at every count from one row up (0: not even at one row). One threshold, so a win
-    at 4 rows after a loss at 2 does not count."""
+    """The largest of `probe_rows` up to which `fast` is clearly faster than `base` at every count from one row
+    up (0: not even at one row; a count where either was not timed ends the run). One threshold, so a win at 4
+    rows after a loss at 2 does not count."""
     rows = 0
     for m, fast_ms, base_ms in zip(probe_rows, timings[fast], timings[base], strict=True):
-        if fast_ms >= _CLEAR_WIN * base_ms:
+        if fast_ms is None or base_ms is None or fast_ms >= _CLEAR_WIN * base_ms:
             break
         rows = m
     return rows
 
 
-def split_name(rows: int) -> str:
-    return "onednn" if rows == 0 else f"torch up to {rows} rows, onednn above"
-
-
 class LinearDispatch:
-    """F.linear up to `rows` rows, oneDNN above, measured again while serving when the steps drift from the
-    measurement. The model calls it for every projection and `step_done()` after each forward pass."""
+    """Each row count to the backend the split gives, measured again while serving when the steps drift from
+    the measurement. The model calls it for every projection and `step_done()` after each forward pass."""
 
-    def __init__(self, weights: list[torch.Tensor], timings: Timings,
-                 measure: Callable[[list[torch.Tensor]], tuple[int, Timings]] = lambda w: torch_rows(w, RECHECK_ROUNDS),
+    def __init__(self, weights: list[torch.Tensor], backends: dict[str, Linear], timings: Timings,
+                 measure: Callable[[list[torch.Tensor]], tuple[Split, Timings]] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.weights = weights
+        self.backends = backends
+        self.probe_rows = probe_rows_for(backends)
         self.timings = timings
-        self.rows = torch_rows_from(timings)
+        self.split = split_from(timings, self.probe_rows)
         self.rechecks = 0
         self.changes = 0
-        self._measure, self._clock = measure, clock
+        self._measure = measure or (lambda w: measure_split(w, self.backends, RECHECK_ROUNDS))
+        self._clock = clock
         self._recheck_after_s = RECHECK_AFTER_S
         self._last_check = clock()
         self._next_check = self._last_check + RECHECK_AFTER_S
         self._spent = 0.0  # seconds in linear calls this step, while every call had the same row count
         self._step_rows = 0  # that row count; 0: none yet; -1: mixed (a prefill step's head, say): not timed
-        self._watched = {m: deque[float](maxlen=WATCH_STEPS) for m in PROBE_ROWS}
+        self._watched = {m: deque[float](maxlen=WATCH_STEPS) for m in self.probe_rows}
 
     @property
     def name(self) -> str:
-        return split_name(self.rows)
+        return self.split.name
 
-    def onednn_for(self, rows: int) -> bool:
-        """Whether `rows` rows go to oneDNN (else F.linear)."""
-        return rows > self.rows or rows > PROBE_ROWS[-1]
+    def backend_for(self, rows: int) -> str:
+        """The backend that takes `rows` rows now: compiled, torch or onednn."""
+        return self.split.backend_for(rows)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         m = x.shape[0]
         started = time.perf_counter()
-        out = _onednn_linear(x, weight, bias) if self.onednn_for(m) else _torch_linear(x, weight, bias)
+        out = self.backends[self.backend_for(m)](x, weight, bias)
         self.account(m, time.perf_counter() - started)
         return out
 
     def account(self, rows: int, seconds: float) -> None:
         """`seconds` of matmuls at `rows` rows this step, timed here or by the compiled step (engine/compiled.py)."""
-        if rows > PROBE_ROWS[-1]:
+        if rows > self.probe_rows[-1]:
             self._step_rows = -1
             return
         self._spent += seconds
@@ -203,26 +249,26 @@ class LinearDispatch:
         watched.append(spent * 1000)
         if len(watched) < WATCH_STEPS or now < self._last_check + RECHECK_AFTER_S:
             return
-        backend = "torch" if m <= self.rows else "onednn"
-        predicted = self.timings[backend][PROBE_ROWS.index(m)]
+        backend = self.backend_for(m)
+        predicted = self.timings[backend][self.probe_rows.index(m)]
         observed = statistics.median(watched)
-        if predicted > 0 and abs(observed / predicted - 1) > DRIFT:
+        if predicted and abs(observed / predicted - 1) > DRIFT:
             self.recheck(f"{m}-row steps took {observed:.1f} ms in linears, {predicted:.1f} ms measured ({backend})")
 
     def recheck(self, why: str) -> None:
-        """Measure both backends again and keep the split they give; logged, with the reason."""
-        before, before_timings = self.rows, self.timings
-        self.rows, self.timings = self._measure(self.weights)
+        """Measure the backends again and keep the split they give; logged, with the reason."""
+        before, before_timings = self.split, self.timings
+        self.split, self.timings = self._measure(self.weights)
         self.rechecks += 1
         for watched in self._watched.values():
             watched.clear()
-        changed = self.rows != before
+        changed = self.split != before
         self.changes += changed
         # A split confirmed: look again later; a changed one: the machine is changing, look again soon.
         self._recheck_after_s = RECHECK_AFTER_S if changed else min(2 * self._recheck_after_s, RECHECK_MAX_S)
         self._last_check = self._clock()
         self._next_check = self._last_check + self._recheck_after_s
-        log.info("linear backends measured again", reason=why, torch_up_to_rows=self.rows, ms_per_pass=self.timings,
+        log.info("linear backends measured again", reason=why, split=self.name, ms_per_pass=self.timings,
                  before_ms_per_pass=before_timings, next_check_s=self._recheck_after_s)
         if changed:
-            log.warning("linear backend changed", before=split_name(before), after=self.name, reason=why)
+            log.warning("linear backend changed", before=before.name, after=self.name, reason=why)

@@ -14,15 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from kvops import kernels
-from kvops.engine.linear import LinearDispatch, backend, measure, select_linear, torch_rows_from
+from kvops.engine.linear import Linear, LinearDispatch, select_linear
 from kvops.kernels import AttentionMetadata, KVCacheLayer, cascade_attention
 from kvops.schema.errors import ConfigError
 
 log = structlog.get_logger("kvops.engine.model")
-
-# Row counts the compiled matmul is measured at against the chosen backend (~1.7 s at each engine start here; 16
-# rows are left out, where oneDNN's blocking wins: 95 against 81 ms a pass on the 2-vCPU EPYC).
-GEMV_PROBE_ROWS = (1, 2, 4, 8)
 
 # Sees each layer's new K and V (after RoPE) before they are written to the cache.
 KVObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -70,7 +66,8 @@ class LlamaModel:
     """Weights as plain tensors and one `forward` that reads and writes the paged cache."""
 
     def __init__(self, config: Any, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
-                 max_positions: int, device: torch.device | None = None) -> None:
+                 max_positions: int, device: torch.device | None = None, ops: Any = None) -> None:
+        """`ops`: the compiled step's ops (engine/compiled.py), or None for the unfused step."""
         sliding = getattr(config, "sliding_window", None)
         if sliding and getattr(config, "use_sliding_window", True) and sliding < max_positions:
             raise ConfigError(
@@ -122,11 +119,6 @@ class LlamaModel:
         # Chosen on these weights, as a decode step reads them, the head included (engine/linear.py).
         self._matmul_weights = [*(w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)),
                                 self.lm_head]
-        self._linear_name, self.linear = select_linear(self.device, dtype, self._matmul_weights)
-        self._dispatch = self.linear if isinstance(self.linear, LinearDispatch) else None
-        self.ops: Any = None  # the compiled step's ops (engine/compiled.py), once the engine loads them
-        self._layer_weights: list[torch.Tensor | None] = []
-        self._gemv_rows = 0  # decode steps of up to this many rows use the compiled matmul (`use_compiled`)
 
         inv_freq, scaling = _rope_inv_freq(config)
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
@@ -135,6 +127,7 @@ class LlamaModel:
         sin = emb.sin() * scaling  # its first half negated, as `apply_rope` takes it
         sin[:, : sin.shape[1] // 2].neg_()
         self.sin_signed = sin.to(self.device, dtype)
+        self.use_compiled(ops)
 
     @property
     def linear_backend(self) -> str:
@@ -162,22 +155,20 @@ class LlamaModel:
         return weight * h.to(x.dtype)
 
     def use_compiled(self, ops: Any) -> None:
-        """Run the step with the compiled ops (engine/compiled.py), or unfused again with None."""
+        """Run the step with the compiled ops (engine/compiled.py), or unfused again with None; the matmul
+        backends are measured (engine/linear.py), the compiled fp32 matmul among them."""
         self.ops = ops
         # decode_layers takes the layers' weights as one flat list, seven a layer
         self._layer_weights = [w for layer in self.layers for w in (
             layer.input_norm, layer.qkv, layer.qkv_bias, layer.o, layer.post_norm, layer.gate_up, layer.down)]
-        self._gemv_rows = 0
+        compiled: Linear | None = None
         if ops is not None and self.dtype == torch.float32:
-            # The compiled fp32 matmul against the backend engine/linear.py chose, at 1 to 8 rows, measured as
-            # that choice is; it takes the row counts up to which it is clearly faster at each.
-            def chosen(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-                return backend(self._onednn_for(x.shape[0]))(x, w, b)
+            def compiled(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+                out = ops.gemv(x, w)
+                return out if b is None else out + b
 
-            timings = measure(self._matmul_weights, {"compiled": lambda x, w, b: ops.gemv(x, w), "chosen": chosen},
-                              probe_rows=GEMV_PROBE_ROWS)
-            self._gemv_rows = torch_rows_from(timings, fast="compiled", base="chosen", probe_rows=GEMV_PROBE_ROWS)
-            log.info("compiled matmul measured", compiled_up_to_rows=self._gemv_rows, ms_per_pass=timings)
+        self._linear_name, self.linear = select_linear(self.device, self.dtype, self._matmul_weights, compiled)
+        self._dispatch = self.linear if isinstance(self.linear, LinearDispatch) else None
 
     @staticmethod
     def _cascades(meta: AttentionMetadata) -> bool:
@@ -185,10 +176,10 @@ class LlamaModel:
         beat reading it per row in place (16 rows on a 1000-token prefix: 2.5 against 3.2 ms a layer)."""
         return meta.num_decode_tokens > 1 and cascade_attention.plan(meta) is not None
 
-    def _onednn_for(self, rows: int) -> bool:
+    def _backend_for(self, rows: int) -> str:
         if self._dispatch is not None:
-            return self._dispatch.onednn_for(rows)
-        return self._linear_name == "onednn"
+            return self._dispatch.backend_for(rows)
+        return self._linear_name
 
     def _decode_layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        kv_cache: Sequence[KVCacheLayer], observer: KVObserver | None) -> torch.Tensor | None:
@@ -198,12 +189,12 @@ class LlamaModel:
                 or not all(map(_compiled_layout, kv_cache)) or self._cascades(meta)):
             return None
         rows = x.shape[0]
-        gemv = rows <= self._gemv_rows
+        backend = self._backend_for(rows)
         x, linear_s = self.ops.decode_layers(
             x, self._layer_weights, [layer.data for layer in kv_cache], positions, self.cos, self.sin_signed,
             meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens, self.num_heads, self.num_kv_heads,
-            self.scale, self.eps, self._onednn_for(rows), gemv)
-        if self._dispatch is not None and not gemv:  # the dispatch watches its own backends' time
+            self.scale, self.eps, backend == "onednn", backend == "compiled")
+        if self._dispatch is not None:  # the dispatch watches the time its choice takes
             self._dispatch.account(rows, linear_s)
         return x
 
@@ -289,10 +280,7 @@ class LlamaModel:
                 delta = linear(self._mlp_activation(linear(h, layer.gate_up, None)), layer.down, None)
             x = x + delta if delta is not None else x
         _, x = self._add_norm(x[logits_indices], None, self.norm)
-        if 0 < x.shape[0] <= self._gemv_rows:
-            logits = self.ops.gemv(x, self.lm_head)
-        else:
-            logits = linear(x, self.lm_head, None).float()
+        logits = linear(x, self.lm_head, None).float()
         if self._dispatch is not None:
             self._dispatch.step_done()
         return logits

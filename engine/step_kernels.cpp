@@ -14,6 +14,10 @@
 #include <ATen/core/stack.h>
 #include <ATen/record_function.h>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -249,11 +253,66 @@ inline void dot_rows(const float* x, const float* wr, int64_t k, float* out, int
     out[r * n] = sum;
   }
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool kTiled = true;
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// R rows of x against C weight rows: R*C dot products of eight lanes each, all in registers for the whole of k.
+// Each x load feeds C multiply-adds and each weight load R, so the loop is bound by multiply-adds, not loads.
+template <int R, int C>
+inline void tile(const float* x, const float* w, int64_t k, float* out, int64_t n) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= k; j += 8) {
+    __m256 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w + c * k + j);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * k + j);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      float sum = hsum(acc[r][c]);
+      for (int64_t t = j; t < k; ++t) sum += x[r * k + t] * w[c * k + t];
+      out[r * n + c] = sum;
+    }
+}
+
+// Every row of x against C weight rows, four rows at a time while those weight rows sit in L1.
+template <int C>
+inline void tile_rows(const float* x, const float* w, int64_t rows, int64_t k, float* out, int64_t n) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) tile<4, C>(x + r * k, w, k, out + r * n, n);
+  switch (rows - r) {
+    case 1: tile<1, C>(x + r * k, w, k, out + r * n, n); break;
+    case 2: tile<2, C>(x + r * k, w, k, out + r * n, n); break;
+    case 3: tile<3, C>(x + r * k, w, k, out + r * n, n); break;
+    default: break;
+  }
+}
+#else
+constexpr bool kTiled = false;
+#endif
 #pragma GCC pop_options
 
-// x [rows, k] @ w [n, k]^T in float32, each weight row read from memory once for all rows of x (four at a time
-// while it sits in L1). A decode step's matmuls are memory-bound at a few rows, and MKL's and oneDNN's reached
-// about half the machine's read rate there (docs/benchmarks.md, "The compiled step").
+// Weight rows a tile of the tiled matmul: 4x3 measured best of 4x2, 3x4, 2x6, 6x2 and 8x1 at 4-32 rows (4x3 and
+// 3x4 alike; 6x2 runs out of registers).
+constexpr int64_t kTileCols = 3;
+// Below this many rows a weight row at a time (dot_rows): at one to three rows the tile gained nothing.
+constexpr int64_t kTileRows = 4;
+
+// x [rows, k] @ w [n, k]^T in float32, each weight row read from memory once for all rows of x. A decode step's
+// matmuls are memory-bound at a few rows, where MKL's and oneDNN's reached about half the machine's read rate;
+// from four rows on, register tiles keep the loop bound by multiply-adds (docs/benchmarks.md, "The compiled step").
 at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& w) {
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && x_in.scalar_type() == at::kFloat,
               "gemv: float32 only");
@@ -264,8 +323,23 @@ at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& w) {
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, n, std::max<int64_t>(1, kGrainFlops / (2 * k * rows)), [&](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; ++o) {
+  const bool tiled = kTiled && rows >= kTileRows;
+  const int64_t cols = tiled ? kTileCols : 1;
+  const int64_t tiles = (n + cols - 1) / cols;
+  const int64_t grain = std::max<int64_t>(1, kGrainFlops / (2 * k * rows * cols));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t o = t * cols;
+#if defined(__AVX2__) && defined(__FMA__)
+      if (tiled) {
+        if (o + kTileCols <= n) {
+          tile_rows<kTileCols>(xp, wp + o * k, rows, k, op + o, n);
+        } else {
+          for (int64_t c = o; c < n; ++c) tile_rows<1>(xp, wp + c * k, rows, k, op + c, n);
+        }
+        continue;
+      }
+#endif
       const float* wr = wp + o * k;
       int64_t r = 0;
       for (; r + 4 <= rows; r += 4) dot_rows<4>(xp + r * k, wr, k, op + r * n + o, n);

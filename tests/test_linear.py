@@ -25,6 +25,30 @@ def test_the_split_is_the_run_of_clear_wins_from_one_row(torch_ms, onednn_ms, ro
     assert linear.torch_rows_from({"torch": torch_ms, "onednn": onednn_ms}) == rows
 
 
+@pytest.mark.parametrize(
+    ("timings", "split", "name"),
+    [
+        # the 2-vCPU EPYC quiet: the compiled matmul wins up to 16 rows, oneDNN over F.linear everywhere
+        ({"torch": [50.6, 85.2, 128.5, None, None], "onednn": [43.1, 72.3, 73.3, 77.7, 99.2],
+          "compiled": [30.1, 34.4, 38.8, 52.2, 86.8]}, linear.Split(16, 0), "compiled up to 16 rows, onednn above"),
+        # measured in a busy spell: the compiled matmul lost at one row, so nowhere
+        ({"torch": [62.6, 1039.9, 2063.9, None, None], "onednn": [329.8, 903.4, 703.0, 1022.2, 848.1],
+          "compiled": [771.3, 589.2, 738.6, 1003.1, 877.8]}, linear.Split(0, 1), "torch up to 1 rows, onednn above"),
+        # against F.linear where it wins (a Xeon's 1-2 rows), then against oneDNN
+        ({"torch": [5.0, 6.0, 9.0, None, None], "onednn": [8.0] * 5, "compiled": [4.0, 5.0, 5.0, 7.5, 9.0]},
+         linear.Split(4, 2), "compiled up to 4 rows, onednn above"),
+        ({"torch": [5.0, 6.0, 9.0, None, None], "onednn": [8.0] * 5, "compiled": [4.0, 5.9, 5.0, 5.0, 9.0]},
+         linear.Split(1, 2), "compiled up to 1 rows, torch up to 2 rows, onednn above"),
+    ],
+)
+def test_the_compiled_matmul_takes_the_rows_where_it_beats_the_split_of_the_other_two(timings, split, name):
+    assert linear.split_from(timings, linear.COMPILED_PROBE_ROWS) == split
+    assert split.name == name
+    assert [split.backend_for(m) for m in (1, 2, 3, 16, 17)] == [
+        "compiled" if m <= split.compiled_rows else "torch" if m <= split.torch_rows else "onednn"
+        for m in (1, 2, 3, 16, 17)]
+
+
 def test_an_unknown_kvops_linear_is_refused_with_the_choices(monkeypatch):
     monkeypatch.setenv("KVOPS_LINEAR", "mkl")
     with pytest.raises(ValueError, match="KVOPS_LINEAR='mkl' is not one of auto, torch, onednn"):
@@ -49,7 +73,7 @@ def test_auto_sends_row_counts_up_to_the_measured_split_to_f_linear(monkeypatch)
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this PyTorch build has no oneDNN")
     monkeypatch.delenv("KVOPS_LINEAR", raising=False)
-    monkeypatch.setattr(linear, "torch_rows", lambda weights: (2, {"torch": [5.0, 6.0, 9.0], "onednn": [8.0] * 3}))
+    monkeypatch.setattr(linear, "measure", lambda *args: {"torch": [5.0, 6.0, 9.0], "onednn": [8.0] * 3})
     taken: list[tuple[str, int]] = []
     for name in ("_torch_linear", "_onednn_linear"):
         real = getattr(linear, name)
@@ -73,6 +97,7 @@ class FakeBackends:
         monkeypatch.setattr(linear.time, "perf_counter", lambda: self.now)
         for name in ("torch", "onednn"):
             monkeypatch.setattr(linear, f"_{name}_linear", lambda x, w, b=None, name=name: self._call(name, x))
+        self.backends = {name: (lambda x, w, b=None, name=name: self._call(name, x)) for name in ms}
 
     def _call(self, name: str, x: torch.Tensor) -> torch.Tensor:
         self.calls.append((name, x.shape[0]))
@@ -91,22 +116,23 @@ def test_a_slow_spell_in_one_round_does_not_flip_the_choice(monkeypatch):
         return real_call(name, x)
 
     fake._call = spell  # type: ignore[method-assign]
-    rows, timings = linear.torch_rows([torch.zeros(8, 4)])
-    assert rows == 0 and timings == {"torch": [30.0] * 3, "onednn": [20.0] * 3}
-    # Five rounds, each backend's order alternating: oneDNN first in round one, F.linear first in round two.
+    split, timings = linear.measure_split([torch.zeros(8, 4)], fake.backends)
+    assert split == linear.Split(0, 0) and timings == {"torch": [30.0] * 3, "onednn": [20.0] * 3}
+    # Five rounds, each backend's order alternating: F.linear first in round one, oneDNN first in round two.
     assert len(fake.calls) == 2 * 3 * linear.ROUNDS
-    assert fake.calls[:2] == [("onednn", 1), ("torch", 1)] and fake.calls[6:8] == [("torch", 1), ("onednn", 1)]
+    assert fake.calls[:2] == [("torch", 1), ("onednn", 1)] and fake.calls[6:8] == [("onednn", 1), ("torch", 1)]
 
 
-def _dispatch(start: dict[str, list[float]], measured: tuple[int, dict[str, list[float]]]):
+def _dispatch(start: linear.Timings, measured: linear.Timings, backends: dict[str, linear.Linear] | None = None):
     clock = [0.0]
     measures: list[int] = []
+    backends = backends or {"torch": linear._torch_linear, "onednn": linear._onednn_linear}
 
     def measure(weights):
         measures.append(len(weights))
-        return measured
+        return linear.split_from(measured, linear.probe_rows_for(backends)), measured
 
-    dispatch = linear.LinearDispatch([torch.zeros(8, 4)], start, measure=measure, clock=lambda: clock[0])
+    dispatch = linear.LinearDispatch([torch.zeros(8, 4)], backends, start, measure=measure, clock=lambda: clock[0])
     return dispatch, clock, measures
 
 
@@ -122,14 +148,14 @@ def test_a_start_measured_under_load_is_measured_again_after_a_minute_and_the_sp
     # MKL serves its steps as measured (no drift), and only the scheduled measurement finds oneDNN faster.
     fake = FakeBackends(monkeypatch, {"torch": 25.0, "onednn": 18.0})
     dispatch, clock, measures = _dispatch({"torch": [50.4, 1960.0, 1968.0], "onednn": [976.0, 983.0, 984.0]},
-                                          (0, {"torch": [42.5, 73.4, 111.0], "onednn": [37.3, 61.2, 60.9]}))
-    assert dispatch.rows == 1 and dispatch.name == "torch up to 1 rows, onednn above"
+                                          {"torch": [42.5, 73.4, 111.0], "onednn": [37.3, 61.2, 60.9]})
+    assert dispatch.split.torch_rows == 1 and dispatch.name == "torch up to 1 rows, onednn above"
     clock[0] = 30.0
     _steps(dispatch, 1)
     assert measures == []  # 50 ms a step, as measured: no drift, and not yet time
     clock[0] = linear.RECHECK_AFTER_S + 1
     _steps(dispatch, 1, n=1)
-    assert measures == [1] and dispatch.rows == 0 and dispatch.name == "onednn" and dispatch.changes == 1
+    assert measures == [1] and dispatch.split.torch_rows == 0 and dispatch.name == "onednn" and dispatch.changes == 1
     fake.calls.clear()
     _steps(dispatch, 1, n=1)
     assert fake.calls == [("onednn", 1), ("onednn", 1)]  # one row goes to oneDNN now
@@ -138,7 +164,7 @@ def test_a_start_measured_under_load_is_measured_again_after_a_minute_and_the_sp
 def test_drift_measures_again_sooner_and_a_confirmed_split_waits_twice_as_long(monkeypatch):
     fake = FakeBackends(monkeypatch, {"torch": 10.0, "onednn": 15.0})  # 20 ms a 1-row step in linears
     dispatch, clock, measures = _dispatch({"torch": [36.7, 40.0, 45.0], "onednn": [42.2, 43.0, 44.0]},
-                                          (1, {"torch": [20.0] * 3, "onednn": [30.0] * 3}))
+                                          {"torch": [20.0, 30.0, 30.0], "onednn": [30.0] * 3})
     clock[0] = 10.0
     _steps(dispatch, 1)
     assert measures == []  # drifted (20 against 36.7 ms), but within a minute of the last measurement
@@ -165,3 +191,44 @@ def test_drift_measures_again_sooner_and_a_confirmed_split_waits_twice_as_long(m
     clock[0] = 125.0 + 240.0  # two confirmations: the wait is 240 s
     _steps(dispatch, 3, n=1)
     assert measures == [1, 1, 1]
+
+
+def test_a_compiled_matmul_measured_out_in_a_busy_spell_is_taken_when_measured_again(monkeypatch):
+    # As served here with two vLLM servers loading through the start: every backend 10-20x slow, the compiled
+    # matmul measured slower than F.linear at one row; a minute later, quiet, it is faster up to 16 rows.
+    fake = FakeBackends(monkeypatch, {"torch": 50.0, "onednn": 45.0, "compiled": 30.0})
+    busy = {"torch": [62.6, 1039.9, 2063.9, None, None], "onednn": [329.8, 903.4, 703.0, 1022.2, 848.1],
+            "compiled": [771.3, 589.2, 738.6, 1003.1, 877.8]}
+    quiet = {"torch": [50.6, 85.2, 128.5, None, None], "onednn": [43.1, 72.3, 73.3, 77.7, 99.2],
+             "compiled": [30.1, 34.4, 38.8, 52.2, 86.8]}
+    dispatch, clock, measures = _dispatch(busy, quiet, fake.backends)
+    assert dispatch.probe_rows == linear.COMPILED_PROBE_ROWS and dispatch.split == linear.Split(0, 1)
+    _steps(dispatch, 1, n=1)
+    assert fake.calls == [("torch", 1), ("torch", 1)]
+    clock[0] = linear.RECHECK_AFTER_S + 1
+    _steps(dispatch, 8, n=1)
+    assert measures == [1] and dispatch.split == linear.Split(16, 0) and dispatch.changes == 1
+    fake.calls.clear()
+    for rows in (1, 8, 16, 17):
+        _steps(dispatch, rows, n=1, calls=1)
+    assert fake.calls == [("compiled", 1), ("compiled", 8), ("compiled", 16), ("onednn", 17)]
+
+
+def test_the_compiled_matmuls_steps_are_watched_against_its_own_measurement(monkeypatch):
+    fake = FakeBackends(monkeypatch, {"torch": 50.0, "onednn": 45.0, "compiled": 15.0})  # 30 ms a 16-row step
+    quiet = {"torch": [50.6, 85.2, 128.5, None, None], "onednn": [43.1, 72.3, 73.3, 77.7, 99.2],
+             "compiled": [30.1, 34.4, 38.8, 52.2, 86.8]}
+    dispatch, clock, measures = _dispatch(quiet, quiet, fake.backends)
+    clock[0] = 70.0
+    _steps(dispatch, 16)
+    assert measures == [1]  # 30 against 86.8 ms measured at 16 rows: drift, measured again
+    _steps(dispatch, 32)
+    assert measures == [1]  # above the probed rows: never watched
+
+
+def test_measure_times_f_linear_only_up_to_its_probe_rows(monkeypatch):
+    fake = FakeBackends(monkeypatch, {"torch": 30.0, "onednn": 20.0, "compiled": 10.0})
+    split, timings = linear.measure_split([torch.zeros(8, 4)], fake.backends, rounds=3)
+    assert timings == {"torch": [30.0] * 3 + [None] * 2, "onednn": [20.0] * 5, "compiled": [10.0] * 5}
+    assert split == linear.Split(16, 0)
+    assert {rows for name, rows in fake.calls if name == "torch"} == set(linear.PROBE_ROWS)
