@@ -14,7 +14,7 @@ pass) and served one stream at 17 tok/s, the start before 43 tok/s. So the start
 rounds, each backend's order alternating from round to round, and each number the median of the rounds.
 A busy spell longer than the measurement still moves the medians (measured here with two CPU burners
 through the start: oneDNN 976 against MKL's 50 ms a pass, where it is 37 against 42 quiet), so while
-serving `LinearDispatch` measures again (`RECHECK_ROUNDS` rounds, between two steps): after a minute, then
+serving `LinearDispatch` measures again (`RECHECK_ROUNDS` rounds, a slice between two steps): after a minute, then
 at doubling intervals up to an hour while the split holds, and sooner when the steps' own linear time (it
 times its calls at the probed row counts: two clock reads a call, ~15 µs a step of ~35 ms) departs from
 the measurement by more than `DRIFT`. Every measurement and every change is logged.
@@ -31,7 +31,7 @@ import os
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import structlog
@@ -65,7 +65,7 @@ PROBE_ROWS = (1, 2, 4)
 COMPILED_PROBE_ROWS = (1, 2, 4, 8, 16)
 _CLEAR_WIN = 0.9
 ROUNDS = 5  # a slow spell of one or two rounds does not move a median of five
-RECHECK_ROUNDS = 3  # while serving: a stall of ~1 s on the 2-vCPU EPYC, between two steps
+RECHECK_ROUNDS = 3  # while serving: ~3 s on the 2-vCPU EPYC with the compiled matmul, in slices between steps
 # While serving, the backends are measured again RECHECK_AFTER_S after the last measurement, the wait doubling
 # up to RECHECK_MAX_S while the split holds (back to the start when it changes); and sooner (but not within
 # RECHECK_AFTER_S of the last) when the steps' linear time at a probed row count, the median of WATCH_STEPS
@@ -134,11 +134,18 @@ def select_linear(device: torch.device, dtype: torch.dtype, weights: list[torch.
     return dispatch.name, dispatch
 
 
-def measure(weights: list[torch.Tensor], backends: dict[str, Linear], rounds: int = ROUNDS,
-            probe_rows: tuple[int, ...] = PROBE_ROWS) -> Timings:
-    """Each backend's time for one pass over all `weights` per `probe_rows` count, in ms: the median of `rounds`
-    rounds, the backends interleaved and their order alternating, so that a slow spell hits all and moves no
-    median. F.linear is not timed above PROBE_ROWS (None there)."""
+# A measurement in slices: each yield is one round at one row count, every backend timed once.
+Measuring = Generator[None, None, tuple["Split", Timings]]
+
+
+def measuring(weights: list[torch.Tensor], backends: dict[str, Linear], rounds: int = ROUNDS,
+              probe_rows: tuple[int, ...] | None = None) -> Measuring:
+    """Each backend's time for one pass over all `weights` per probed row count (`probe_rows_for(backends)`), in
+    ms: the median of `rounds` rounds, the backends interleaved and their order alternating, so that a slow spell
+    hits all and moves no median; and the split they give. F.linear is not timed above PROBE_ROWS (None there).
+    It yields after each slice (a round at one row count), so that a measurement while serving can run between
+    steps a slice at a time."""
+    probe_rows = probe_rows or probe_rows_for(backends)
     generator = torch.Generator().manual_seed(0)
     widths = sorted({w.shape[1] for w in weights})
     samples: dict[str, list[list[float]]] = {name: [[] for _ in probe_rows] for name in backends}
@@ -153,16 +160,32 @@ def measure(weights: list[torch.Tensor], backends: dict[str, Linear], rounds: in
                 for w in weights:
                     fn(inputs[i][w.shape[1]], w, None)
                 samples[name][i].append((time.perf_counter() - started) * 1000)
-    return {name: [round(statistics.median(s), 2) if s else None for s in per_rows]
-            for name, per_rows in samples.items()}
+            if round_ < rounds - 1 or i < len(probe_rows) - 1:
+                yield
+    timings: Timings = {name: [round(statistics.median(s), 2) if s else None for s in per_rows]
+                        for name, per_rows in samples.items()}
+    return split_from(timings, probe_rows), timings
+
+
+def finish(measurement: Measuring) -> tuple[Split, Timings]:
+    """Run a measurement to its end in one go."""
+    while True:
+        try:
+            next(measurement)
+        except StopIteration as done:
+            return done.value
+
+
+def measure(weights: list[torch.Tensor], backends: dict[str, Linear], rounds: int = ROUNDS,
+            probe_rows: tuple[int, ...] = PROBE_ROWS) -> Timings:
+    """`measuring`'s timings, at `probe_rows`, in one go."""
+    return finish(measuring(weights, backends, rounds, probe_rows))[1]
 
 
 def measure_split(weights: list[torch.Tensor], backends: dict[str, Linear],
                   rounds: int = ROUNDS) -> tuple[Split, Timings]:
-    """The split the backends' timings (`measure`, at `probe_rows_for(backends)`) give, and the timings."""
-    probe_rows = probe_rows_for(backends)
-    timings = measure(weights, backends, rounds, probe_rows)
-    return split_from(timings, probe_rows), timings
+    """The split the backends' timings give, and the timings, in one go (the start's measurement)."""
+    return finish(measuring(weights, backends, rounds))
 
 
 def split_from(timings: Timings, probe_rows: tuple[int, ...] = PROBE_ROWS) -> Split:
@@ -172,7 +195,9 @@ def split_from(timings: Timings, probe_rows: tuple[int, ...] = PROBE_ROWS) -> Sp
         return Split(0, torch_rows)
     chosen = [t if m <= torch_rows else o for m, t, o in zip(probe_rows, timings["torch"], timings["onednn"],
                                                              strict=True)]
-    return Split(torch_rows_from({**timings, "chosen": chosen}, "compiled", "chosen", probe_rows), torch_rows)
+    compiled_rows = torch_rows_from({**timings, "chosen": chosen}, "compiled", "chosen", probe_rows)
+    # F.linear's rows within the compiled matmul's are not its: one split, one name, for one routing
+    return Split(compiled_rows, torch_rows if torch_rows > compiled_rows else 0)
 
 
 def torch_rows_from(timings: Timings, fast: str = "torch", base: str = "onednn",
@@ -190,10 +215,12 @@ def torch_rows_from(timings: Timings, fast: str = "torch", base: str = "onednn",
 
 class LinearDispatch:
     """Each row count to the backend the split gives, measured again while serving when the steps drift from
-    the measurement. The model calls it for every projection and `step_done()` after each forward pass."""
+    the measurement. The model calls it for every projection and `step_done()` after each forward pass; a
+    measurement while serving runs there, one slice (a round at one row count) between two steps, so no step
+    waits for more than a slice (~0.3 s at 16 rows on the 2-vCPU EPYC) where the whole would take ~3 s."""
 
     def __init__(self, weights: list[torch.Tensor], backends: dict[str, Linear], timings: Timings,
-                 measure: Callable[[list[torch.Tensor]], tuple[Split, Timings]] | None = None,
+                 measure: Callable[[list[torch.Tensor]], Measuring] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.weights = weights
         self.backends = backends
@@ -202,7 +229,9 @@ class LinearDispatch:
         self.split = split_from(timings, self.probe_rows)
         self.rechecks = 0
         self.changes = 0
-        self._measure = measure or (lambda w: measure_split(w, self.backends, RECHECK_ROUNDS))
+        self._measure = measure or (lambda w: measuring(w, self.backends, RECHECK_ROUNDS))
+        self._measuring: Measuring | None = None  # a measurement under way, and why it was started
+        self._why = ""
         self._clock = clock
         self._recheck_after_s = RECHECK_AFTER_S
         self._last_check = clock()
@@ -239,6 +268,9 @@ class LinearDispatch:
         measured again when it is time, or when the watch departs from the measurement."""
         m, spent = self._step_rows, self._spent
         self._step_rows, self._spent = 0, 0.0
+        if self._measuring is not None:
+            self._advance()
+            return
         now = self._clock()
         if now >= self._next_check:
             self.recheck(f"scheduled, {now - self._last_check:.0f} s after the last measurement")
@@ -256,9 +288,22 @@ class LinearDispatch:
             self.recheck(f"{m}-row steps took {observed:.1f} ms in linears, {predicted:.1f} ms measured ({backend})")
 
     def recheck(self, why: str) -> None:
-        """Measure the backends again and keep the split they give; logged, with the reason."""
+        """Start measuring the backends again (its first slice now, the rest after the next steps); the split
+        they give is kept and logged, with the reason, when the measurement ends."""
+        self._measuring, self._why = self._measure(self.weights), why
+        self._advance()
+
+    def _advance(self) -> None:
+        assert self._measuring is not None
+        try:
+            next(self._measuring)
+        except StopIteration as done:
+            self._measuring = None
+            self._measured(*done.value)
+
+    def _measured(self, split: Split, timings: Timings) -> None:
         before, before_timings = self.split, self.timings
-        self.split, self.timings = self._measure(self.weights)
+        self.split, self.timings = split, timings
         self.rechecks += 1
         for watched in self._watched.values():
             watched.clear()
@@ -268,7 +313,7 @@ class LinearDispatch:
         self._recheck_after_s = RECHECK_AFTER_S if changed else min(2 * self._recheck_after_s, RECHECK_MAX_S)
         self._last_check = self._clock()
         self._next_check = self._last_check + self._recheck_after_s
-        log.info("linear backends measured again", reason=why, split=self.name, ms_per_pass=self.timings,
+        log.info("linear backends measured again", reason=self._why, split=self.name, ms_per_pass=self.timings,
                  before_ms_per_pass=before_timings, next_check_s=self._recheck_after_s)
         if changed:
-            log.warning("linear backend changed", before=before.name, after=self.name, reason=why)
+            log.warning("linear backend changed", before=before.name, after=self.name, reason=self._why)

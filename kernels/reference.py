@@ -200,7 +200,7 @@ def _cascade_decode(q: torch.Tensor, layer: KVCacheLayer, group: cascade_attenti
     for b in _decode_buckets(group.suffix, kv_heads * d):
         kv = _gather_blocks(layer, b.blocks, b.length).to(q.dtype).transpose(2, 3)  # [2, n, kv_heads, len, d]
         o2[b.rows], lse2[b.rows] = cascade_attention.attend(qg[b.rows], kv[0], kv[1], b.mask, scale)
-    return cascade_attention.merge(o1, lse1, o2, lse2).reshape(rows, heads, d)
+    return cascade_attention.merge(o1, lse1, o2, lse2).reshape(rows, heads, d).to(q.dtype)  # merged in float
 
 
 def _prefill_mask(meta: AttentionMetadata, n: int, context_len: int, device: torch.device) -> torch.Tensor:

@@ -79,6 +79,15 @@ def kvops_engine(shared_engine: str) -> str:
     return shared_engine
 
 
+def test_one_streamed_request_times_its_first_token_and_the_decode_after_it(kvops_engine):
+    from kvops.bench.compare import discover, streamed
+
+    server = discover(kvops_engine, None, None)
+    tokens, first, whole = streamed(server, [1, 2, 3, 4, 5, 6, 7, 8], 12)
+    # ignore_eos: exactly the tokens asked for, the first of them before the last (both from the one request)
+    assert tokens == 12 and 0 < first < whole
+
+
 def test_compare_sends_the_same_requests_to_each_server_in_alternating_order(kvops_engine, tmp_path, capsys):
     from kvops.cli import main as cli_main
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvops import kernels
-from kvops.kernels import dispatch, reference
+from kvops.kernels import allocate_kv_cache_layer, dispatch, reference
 
 
 def _load_benchmark() -> ModuleType:
@@ -166,3 +166,18 @@ def test_a_short_shared_prefix_is_not_worth_splitting_off():
     q, layer, meta = kernels_cpu._setup(case)
     reference.paged_decode_attention(q, layer, meta, 0.125)
     assert meta._cache["cascade"] is None  # 48 tokens < MIN_SHARED_TOKENS: the plain path
+
+
+def test_rows_sharing_a_prefix_attend_in_bfloat16_too():
+    # The merge of the prefix's and the rows' own attention runs in float; the rows are written back in the
+    # model's dtype (a bf16 engine answered 500 on the shared-prefix workload when they were not).
+    case = _cascade_cases()[0]
+    q, layer, meta = kernels_cpu._setup(case)
+    half = allocate_kv_cache_layer("auto", layer.data.shape[1], case.block_size, case.kv_heads, case.head_dim,
+                                   torch.bfloat16)
+    half.data.copy_(layer.data.to(torch.bfloat16))
+    q = q.to(torch.bfloat16)
+    scale = case.head_dim**-0.5
+    got = reference.paged_decode_attention(q, half, meta, scale)
+    assert meta._cache["cascade"] is not None and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, kernels_cpu.baseline_decode(q, half, meta, scale), atol=2e-2, rtol=2e-2)

@@ -36,7 +36,7 @@ def test_the_split_is_the_run_of_clear_wins_from_one_row(torch_ms, onednn_ms, ro
           "compiled": [771.3, 589.2, 738.6, 1003.1, 877.8]}, linear.Split(0, 1), "torch up to 1 rows, onednn above"),
         # against F.linear where it wins (a Xeon's 1-2 rows), then against oneDNN
         ({"torch": [5.0, 6.0, 9.0, None, None], "onednn": [8.0] * 5, "compiled": [4.0, 5.0, 5.0, 7.5, 9.0]},
-         linear.Split(4, 2), "compiled up to 4 rows, onednn above"),
+         linear.Split(4, 0), "compiled up to 4 rows, onednn above"),
         ({"torch": [5.0, 6.0, 9.0, None, None], "onednn": [8.0] * 5, "compiled": [4.0, 5.9, 5.0, 5.0, 9.0]},
          linear.Split(1, 2), "compiled up to 1 rows, torch up to 2 rows, onednn above"),
     ],
@@ -73,7 +73,13 @@ def test_auto_sends_row_counts_up_to_the_measured_split_to_f_linear(monkeypatch)
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this PyTorch build has no oneDNN")
     monkeypatch.delenv("KVOPS_LINEAR", raising=False)
-    monkeypatch.setattr(linear, "measure", lambda *args: {"torch": [5.0, 6.0, 9.0], "onednn": [8.0] * 3})
+    timings = {"torch": [5.0, 6.0, 9.0], "onednn": [8.0] * 3}
+
+    def measuring(*args):
+        return linear.split_from(timings), timings
+        yield
+
+    monkeypatch.setattr(linear, "measuring", measuring)
     taken: list[tuple[str, int]] = []
     for name in ("_torch_linear", "_onednn_linear"):
         real = getattr(linear, name)
@@ -131,6 +137,7 @@ def _dispatch(start: linear.Timings, measured: linear.Timings, backends: dict[st
     def measure(weights):
         measures.append(len(weights))
         return linear.split_from(measured, linear.probe_rows_for(backends)), measured
+        yield  # a generator, as engine/linear.py's measuring is: this one ends at its first slice
 
     dispatch = linear.LinearDispatch([torch.zeros(8, 4)], backends, start, measure=measure, clock=lambda: clock[0])
     return dispatch, clock, measures
@@ -232,3 +239,23 @@ def test_measure_times_f_linear_only_up_to_its_probe_rows(monkeypatch):
     assert timings == {"torch": [30.0] * 3 + [None] * 2, "onednn": [20.0] * 5, "compiled": [10.0] * 5}
     assert split == linear.Split(16, 0)
     assert {rows for name, rows in fake.calls if name == "torch"} == set(linear.PROBE_ROWS)
+
+
+def test_a_measurement_while_serving_runs_a_slice_between_two_steps(monkeypatch):
+    fake = FakeBackends(monkeypatch, {"torch": 30.0, "onednn": 20.0, "compiled": 10.0})
+    busy = {"torch": [5.0, 9.0, 9.0, None, None], "onednn": [8.0] * 5, "compiled": [9.0] * 5}
+    dispatch = linear.LinearDispatch([torch.zeros(8, 4)], fake.backends, busy, clock=lambda: 0.0)
+    assert linear.split_from({**busy, "compiled": [4.0] * 5}, linear.COMPILED_PROBE_ROWS) == linear.Split(16, 0)
+    assert dispatch.split == linear.Split(0, 1)
+    dispatch.recheck("a test")  # its first slice
+    slices = linear.RECHECK_ROUNDS * len(linear.COMPILED_PROBE_ROWS)
+    for step in range(1, slices):
+        # each step: its own matmul, then one slice (every backend once at one row count; F.linear up to 4 rows)
+        assert dispatch.split == linear.Split(0, 1) and dispatch.rechecks == 0  # the old split until the end
+        fake.calls.clear()
+        _steps(dispatch, 1, n=1, calls=1)
+        assert fake.calls[0] == ("torch", 1) and len(fake.calls) in (3, 4), (step, fake.calls)
+    assert dispatch.split == linear.Split(16, 0) and dispatch.rechecks == 1 and dispatch.changes == 1
+    fake.calls.clear()
+    _steps(dispatch, 1, n=1, calls=1)
+    assert fake.calls == [("compiled", 1)]  # measured: nothing more runs between steps

@@ -151,6 +151,38 @@ async def send_batch(server: Server, prompts: list[list[int]], max_tokens: int) 
         return sum(tokens), time.perf_counter() - started
 
 
+async def _streamed(server: Server, prompt: list[int], max_tokens: int) -> tuple[int, float, float]:
+    body: dict[str, Any] = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                            "stream": True, "stream_options": {"include_usage": True}}
+    if server.ignore_eos:
+        body["ignore_eos"] = True
+    tokens, pieces, first = 0, 0, 0.0
+    async with httpx.AsyncClient(timeout=TIMEOUT_S, trust_env=False) as client:
+        started = time.perf_counter()
+        async with client.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                raise CompareError(f"{server.url}/v1/completions answered HTTP {response.status_code}: "
+                                   f"{response.text[:300]}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if chunk.get("choices"):
+                    pieces += 1
+                    first = first or time.perf_counter() - started
+                if chunk.get("usage"):
+                    tokens = int(chunk["usage"]["completion_tokens"])
+        # a server that sends no usage: its chunks, a token each as vLLM and kvops stream them
+        return tokens or pieces, first, time.perf_counter() - started
+
+
+def streamed(server: Server, prompt: list[int], max_tokens: int) -> tuple[int, float, float]:
+    """One streamed request: (tokens generated, seconds to the first token, seconds to the last). The first token
+    and the decode after it come from one request, so a stall in either shows where it happened."""
+    return asyncio.run(_streamed(server, prompt, max_tokens))
+
+
 def warm_up(server: Server, prompt: list[int]) -> None:
     """One short request (first-request compilation, caches); drops ignore_eos if the server rejects it."""
     try:

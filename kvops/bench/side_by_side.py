@@ -42,7 +42,7 @@ from typing import IO, Any
 import httpx
 
 from kvops import __version__
-from kvops.bench.compare import CompareError, Prompts, Server, discover, machine, run, send_batch, warm_up
+from kvops.bench.compare import CompareError, Prompts, Server, discover, machine, run, send_batch, streamed, warm_up
 from kvops.processes import NotReady, free_port, start_engine_server, wait_healthy
 
 KV_BYTES = 2**30
@@ -142,7 +142,8 @@ def concurrency_sweep(targets: list[Server], prompts: Prompts) -> dict[str, Any]
 
 
 def context_sweep(targets: list[Server], prompts: Prompts) -> dict[str, Any]:
-    """One stream per context length: seconds to one token (mostly prefill) and the decode rate after it."""
+    """One stream per context length, one streamed request each: seconds to the first token (mostly prefill) and
+    the decode rate after it."""
     rng = random.Random(7)
     ttft: dict[str, list[float]] = {s.name: [] for s in targets}
     decode: dict[str, list[float]] = {s.name: [] for s in targets}
@@ -150,13 +151,12 @@ def context_sweep(targets: list[Server], prompts: Prompts) -> dict[str, Any]:
         text = prompts.builder.unique(1000 + i, length, rng)
         prompt = list(prompts.tokenizer(text, add_special_tokens=False).input_ids)[:length]
         for server in targets if i % 2 == 0 else targets[::-1]:
-            # A distinct first token per request, so neither run reuses the other's cached prefix.
-            _, first = asyncio.run(send_batch(server, [[11 + 2 * i, *prompt[1:]]], 1))
-            tokens, whole = asyncio.run(send_batch(server, [[12 + 2 * i, *prompt[1:]]], SWEEP_TOKENS))
+            # A distinct first token per length, so no request reuses another length's cached prefix.
+            tokens, first, whole = streamed(server, [11 + i, *prompt[1:]], SWEEP_TOKENS)
             ttft[server.name].append(round(first, 3))
             decode[server.name].append(_tok_s(tokens - 1, whole - first))
             print(f"context {length} {server.name}: first token {first:.2f} s, decode "
-                  f"{(tokens - 1) / max(whole - first, 1e-9):.1f} tok/s", file=sys.stderr, flush=True)
+                  f"{_tok_s(tokens - 1, whole - first):.1f} tok/s", file=sys.stderr, flush=True)
     return {"context_tokens": list(CONTEXT_LENGTHS), "max_tokens": SWEEP_TOKENS, "first_token_s": ttft,
             "decode_tok_s": decode}
 
@@ -279,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
                               "command": command, "kv_cache_bytes": KV_BYTES, "max_model_len": MAX_MODEL_LEN}
     workdir = Path(args.json).resolve().parent
     dtypes = DTYPES if args.dtype == "both" else (args.dtype,)
+
+    def save() -> None:  # after every phase: a run that fails later keeps what it measured
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+
     try:
         for dtype in dtypes:
             with servers(workdir, cores, status.python, dtype) as started:
@@ -296,16 +300,21 @@ def main(argv: list[str] | None = None) -> int:
                     report[phase] = {"dtype": dtype, "workloads": result["workloads"],
                                      "verdicts": verdicts(result["workloads"]), "kvops_torch_threads_at_end": threads,
                                      "kvops_compile": _compile_state(started[0].url)}
+                    save()
                 if dtype == "float32" and not args.no_sweeps:
                     prompts = Prompts(0)
                     for server in targets:
                         warm_up(server, prompts.chat(0))
                     report["concurrency_sweep"] = concurrency_sweep(targets, prompts)
                     report["context_sweep"] = context_sweep(targets, prompts)
+                    save()
     except CompareError as exc:
-        print(f"kvops bench vs-vllm: {exc}", file=sys.stderr)
+        report["error"] = str(exc)
+        save()
+        print(f"kvops bench vs-vllm: {exc} (the phases measured before it are in {args.json}; the servers' logs "
+              f"in {workdir})", file=sys.stderr)
         return 2
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    save()
     if "concurrency_sweep" in report:
         for path in plot(report, Path(args.plots)):
             print(f"wrote {path}", file=sys.stderr)
