@@ -89,7 +89,7 @@ class Split:
     torch_rows: int = 0
 
     def backend_for(self, rows: int) -> str:
-        if rows <= self.compiled_rows:
+        if self.compiled_rows and rows <= self.compiled_rows:  # a step that samples nothing has 0 rows
             return "compiled"
         return "torch" if rows <= self.torch_rows else "onednn"
 

@@ -49,6 +49,12 @@ def test_the_compiled_matmul_takes_the_rows_where_it_beats_the_split_of_the_othe
         for m in (1, 2, 3, 16, 17)]
 
 
+def test_a_step_of_no_rows_goes_to_a_backend_that_exists():
+    # a chunked-prefill step samples nothing: its head sees 0 rows, with or without the compiled matmul
+    assert linear.Split(0, 0).backend_for(0) == "torch" and linear.Split(0, 2).backend_for(0) == "torch"
+    assert linear.Split(16, 0).backend_for(0) == "compiled"
+
+
 def test_an_unknown_kvops_linear_is_refused_with_the_choices(monkeypatch):
     monkeypatch.setenv("KVOPS_LINEAR", "mkl")
     with pytest.raises(ValueError, match="KVOPS_LINEAR='mkl' is not one of auto, torch, onednn"):
