@@ -76,15 +76,16 @@ class LLMEngine:
                 f"{limit}: use {limit} or less"
             )
         self.dtype = default_dtype(self.device) if config.dtype == "auto" else getattr(torch, config.dtype)
-        self.compiled = compile_step(config.compile, self.device, self.kernel_backend)
-        self.model = LlamaModel(hf, loaded.state_dict, self.dtype, self.max_model_len, self.device,
-                                self.compiled.ops)
+        self.model = LlamaModel(hf, loaded.state_dict, self.dtype, self.max_model_len, self.device)
         if config.debug_scale_k:
             self._scale_keys(config.debug_scale_k)
         del loaded
         self.kv_pool = allocate_kv_pool(config, self.model.num_layers, self.model.num_kv_heads,
                                         self.model.head_dim, self.dtype, self.max_model_len, self.device,
                                         self._kv_budget(hf))
+        # Once the pool fits: a refused configuration waits for neither the build nor the matmul measurement.
+        self.compiled = compile_step(config.compile, self.device, self.kernel_backend)
+        self.model.use_compiled(self.compiled.ops)
         self.capacity: Capacity = self.kv_pool.capacity
         self.block_manager = BlockManager(self.capacity.num_blocks, config.block_size,
                                           config.enable_prefix_caching, config.eviction_policy,

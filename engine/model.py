@@ -127,7 +127,14 @@ class LlamaModel:
         sin = emb.sin() * scaling  # its first half negated, as `apply_rope` takes it
         sin[:, : sin.shape[1] // 2].neg_()
         self.sin_signed = sin.to(self.device, dtype)
-        self.use_compiled(ops)
+        # Unmeasured until `use_compiled`: the engine measures the matmul backends after the KV pool fits, so a
+        # configuration that cannot fit is refused without waiting for them.
+        self.ops: Any = None
+        self._layer_weights: list[torch.Tensor | None] = []
+        self._linear_name, self.linear = select_linear(self.device, dtype)
+        self._dispatch: LinearDispatch | None = None
+        if ops is not None:
+            self.use_compiled(ops)
 
     @property
     def linear_backend(self) -> str:
