@@ -176,12 +176,6 @@ def finish(measurement: Measuring) -> tuple[Split, Timings]:
             return done.value
 
 
-def measure(weights: list[torch.Tensor], backends: dict[str, Linear], rounds: int = ROUNDS,
-            probe_rows: tuple[int, ...] = PROBE_ROWS) -> Timings:
-    """`measuring`'s timings, at `probe_rows`, in one go."""
-    return finish(measuring(weights, backends, rounds, probe_rows))[1]
-
-
 def measure_split(weights: list[torch.Tensor], backends: dict[str, Linear],
                   rounds: int = ROUNDS) -> tuple[Split, Timings]:
     """The split the backends' timings give, and the timings, in one go (the start's measurement)."""

@@ -132,10 +132,15 @@ def discover(url: str, name: str | None, model: str | None) -> Server:
     return Server(name or default_name, url, model or served[0])
 
 
-async def _one(client: httpx.AsyncClient, server: Server, prompt: list[int], max_tokens: int) -> int:
+def _body(server: Server, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     body: dict[str, Any] = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
     if server.ignore_eos:
         body["ignore_eos"] = True
+    return body
+
+
+async def _one(client: httpx.AsyncClient, server: Server, prompt: list[int], max_tokens: int) -> int:
+    body = _body(server, prompt, max_tokens)
     response = await client.post(f"{server.url}/v1/completions", json=body)
     if response.status_code != 200:
         raise CompareError(f"{server.url}/v1/completions answered HTTP {response.status_code}: {response.text[:300]}")
@@ -152,10 +157,7 @@ async def send_batch(server: Server, prompts: list[list[int]], max_tokens: int) 
 
 
 async def _streamed(server: Server, prompt: list[int], max_tokens: int) -> tuple[int, float, float]:
-    body: dict[str, Any] = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                            "stream": True, "stream_options": {"include_usage": True}}
-    if server.ignore_eos:
-        body["ignore_eos"] = True
+    body = _body(server, prompt, max_tokens) | {"stream": True, "stream_options": {"include_usage": True}}
     tokens, pieces, first = 0, 0, 0.0
     async with httpx.AsyncClient(timeout=TIMEOUT_S, trust_env=False) as client:
         started = time.perf_counter()
