@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from kvops.adapters.engine_client import EngineClient, EngineUnreachable
 from kvops.adapters.http_client import HttpClient, HttpError
 from kvops.processes import free_port
 
@@ -103,4 +104,16 @@ def test_a_slow_server_times_out(server: Server):
     client = HttpClient(server.url, timeout_s=5)
     with pytest.raises(HttpError, match="timed out"):
         client.request("GET", "/admin/profile/kv-quant", timeout=0.2)
+    client.close()
+
+
+def test_an_admin_call_waits_out_the_step_in_flight_where_a_read_times_out(server: Server):
+    """The engine answers an admin call between two steps; one step can outlast the client's read timeout. A
+    timed-out admin call still lands after the step, so the fix job must wait for its answer, not give up."""
+    server.delay_s = 0.6  # a step in flight
+    client = EngineClient(server.url, "admin-token", timeout_s=0.2)
+    assert client.admin("set_normalization", {"mode": "on"}) == {"path": "/admin/normalization"}
+    assert client.knobs() == {"path": "/admin/config"}
+    with pytest.raises(EngineUnreachable, match="timed out"):
+        client.health()
     client.close()

@@ -18,6 +18,12 @@ class EngineUnreachable(Exception):
     """The engine did not answer, or answered with an error; the message says which."""
 
 
+# An admin call runs on the engine's step loop between two steps, so it waits for the step in flight: a prefill of
+# max_num_batched_tokens on a 2-core CPU takes seconds (5-9 s in CI), past the read timeout. Timing out there was
+# worse than slow: the change still landed after the step, while the fix job recorded it as not made and kept no undo.
+ADMIN_TIMEOUT_S = 60.0
+
+
 class EngineClient:
     def __init__(self, url: str, admin_token: str | None = None, timeout_s: float = 5.0) -> None:
         self.url = url.rstrip("/")
@@ -36,6 +42,8 @@ class EngineClient:
                 raise EngineUnreachable(f"{self.url}{path} needs the engine's admin token, and none is configured "
                                         "(admin_token_env in the engine's config)")
             headers["Authorization"] = f"Bearer {self.admin_token}"
+            if timeout is None:
+                timeout = max(self._http.timeout_s, ADMIN_TIMEOUT_S)
         try:
             if timeout is not None:
                 kwargs["timeout"] = timeout

@@ -46,11 +46,13 @@ def run() -> ScenarioResult:
     args = {"block_size": BLOCK_SIZE, "kv_cache_memory": "21MiB", "max_model_len": 8 * BLOCK_SIZE, "max_num_seqs": 4,
             "enforce_eager": True}
     # 36 removals of the victims' blocks: about 50 s of the flood, so that the fix's before-window (40 s, judged in
-    # 10 s parts whose spread is the noise: the removals come 4 blocks at a time) lies wholly in it. A tenth of the
-    # flood's rate, not the default quarter: in a 14-block pool one flood prompt running beside a victim's request
-    # can still push out the other victim's prefix.
+    # 10 s parts whose spread is the noise: the removals come 4 blocks at a time) lies wholly in it. A twentieth of
+    # the flood's rate (300 tokens a minute, under the default floor of 600), not the default quarter: in a 14-block
+    # pool one flood prompt running beside a victim's request can still push out the other victim's prefix, and at
+    # 600 tokens a minute that happened often enough to keep the victims under 90% of their baseline hit rate.
     rules = {"tenant_pollution": {"policy": "auto", "settings": {
-        "window_s": 60, "min_evictions_caused": 36, "min_events_pollution_share": 0.5, "gateway_rate_share": 0.1}}}
+        "window_s": 60, "min_evictions_caused": 36, "min_events_pollution_share": 0.5, "gateway_rate_share": 0.05,
+        "min_tokens_per_minute": 300}}}
     with tempfile.TemporaryDirectory(prefix="kvops-scenario-keys-") as folder:
         keys = tenant_keys((*VICTIMS, POLLUTER), Path(folder))
         # A judged window carries about 10 requests after the fix (the victims' 8 and what the limit lets through).
@@ -71,11 +73,14 @@ def run() -> ScenarioResult:
                 result.evidence = dict(diagnosis.evidence)
                 flooded = tenant_hit_rate(ctx.history, VICTIMS, started + BASELINE_S + 5, time.time())
                 applied, result.fix_applied_at_s = ctx.wait_audit(NAME, ("verifying", "failed"), 30)
+                limited_at = time.time()
                 verdict, result.verified_at_s = ctx.wait_audit(NAME, ("verified", "rolled_back", "failed"), 120)
                 result.time_to_verified_fix_s = round(result.verified_at_s - result.signal_at_s, 2)
-                fixed_at = time.time()
-                time.sleep(25)
-                after = tenant_hit_rate(ctx.history, VICTIMS, fixed_at + 5, time.time())
+                time.sleep(35)
+                # From 20 s after the limit (each victim's first request after it has stored its prefix again: a
+                # miss by design) through the verdict's window and 35 s more: ~11 victim requests. A 20 s window held
+                # 4, and one that lost half its prefix to a flood prompt the limit let through read 0.78 of 0.89.
+                after = tenant_hit_rate(ctx.history, VICTIMS, limited_at + 20, time.time())
                 limited = ctx.latest.gateway.tenants[POLLUTER] if ctx.latest and ctx.latest.gateway else None
             finally:
                 load.stop()
