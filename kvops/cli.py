@@ -106,6 +106,10 @@ def _bench(argv: list[str]) -> int:
         from kvops.bench import gateway as bench_gateway
 
         return bench_gateway.main(argv[1:])
+    if argv[:1] == ["fleet"]:
+        from kvops.bench import fleet as bench_fleet
+
+        return bench_fleet.main(argv[1:])
     if argv[:1] == ["load"]:
         from kvops import loadgen
 
@@ -208,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "number of the comparison (`kvops bench vs-vllm --help`), or see where a step's time goes "
                         "(`kvops bench profile --help`), or how fast the KV event index takes vLLM's events "
                         "(`kvops bench events --help`), or what `kvops gateway` adds to a request's latency and "
-                        "throughput (`kvops bench gateway --help`)",
+                        "throughput (`kvops bench gateway --help`), or how many engines one supervisor watches "
+                        "(`kvops bench fleet --help`)",
                         add_help=False)
     return parser
 

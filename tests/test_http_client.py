@@ -1,6 +1,6 @@
-"""The supervisor's HTTP client (kvops/adapters/http_client.py) against a real stdlib HTTP server: one
-kept-alive connection per thread, a request resent once when the server dropped the idle connection, and
-failures as HttpError naming what happened."""
+"""The supervisor's HTTP client (kvops/adapters/http_client.py) against a real stdlib HTTP server: kept-alive
+connections reused from any thread, as many as requests ran at once, a request resent once when the server dropped
+the idle connection, and failures as HttpError naming what happened."""
 
 from __future__ import annotations
 
@@ -66,20 +66,35 @@ def server() -> Iterator[Server]:
     s.httpd.server_close()
 
 
-def test_requests_reuse_one_connection_per_thread(server: Server):
+def test_requests_reuse_idle_connections_from_any_thread(server: Server):
     client = HttpClient(server.url + "/engine-a/", timeout_s=5)  # a path prefix is kept
     for _ in range(5):
         reply = client.request("GET", "/stats", params={"steps_after": "12.5"})
         assert reply.status_code == 200 and reply.headers.get("x-kvops-test") == "yes"
     assert reply.json() == {"path": "/engine-a/stats?steps_after=12.5"}
     assert server.connections == 1
-    other = threading.Thread(target=lambda: client.request("GET", "/health"))
-    other.start()
-    other.join()
-    assert server.connections == 2  # http.client carries one request at a time: a thread has its own
+    # Another thread, one after the other: the idle connection serves it (a supervisor reads each engine from
+    # whichever of its 16 reader threads is free: one connection per thread made 16 per engine).
+    for _ in range(3):
+        other = threading.Thread(target=lambda: client.request("GET", "/health"))
+        other.start()
+        other.join()
+    assert server.connections == 1 and client.connections == 1
+    # Two at once: http.client carries one request at a time, so the second opens a connection of its own; both
+    # are kept for later.
+    server.delay_s = 0.3
+    both = [threading.Thread(target=lambda: client.request("GET", "/health")) for _ in range(2)]
+    for thread in both:
+        thread.start()
+    for thread in both:
+        thread.join()
+    server.delay_s = 0.0
+    assert server.connections == 2 and client.connections == 2
     client.request("PUT", "/admin/eviction-policy", json={"policy": "lfu"}, headers={"Authorization": "Bearer t"})
     assert server.requests[-1] == ("PUT", "/engine-a/admin/eviction-policy", b'{"policy": "lfu"}')
+    assert server.connections == 2
     client.close()
+    assert client.connections == 0
 
 
 def test_a_connection_the_server_closed_is_replaced_and_the_request_sent_once_more(server: Server):

@@ -28,6 +28,7 @@ class EngineClient:
     def __init__(self, url: str, admin_token: str | None = None, timeout_s: float = 5.0) -> None:
         self.url = url.rstrip("/")
         self.admin_token = admin_token
+        self.timeout_s = timeout_s
         self._http = HttpClient(self.url, timeout_s)
         self._last: Snapshot | None = None  # the last snapshot read: its steps are not read again
 
@@ -43,7 +44,7 @@ class EngineClient:
                                         "(admin_token_env in the engine's config)")
             headers["Authorization"] = f"Bearer {self.admin_token}"
             if timeout is None:
-                timeout = max(self._http.timeout_s, ADMIN_TIMEOUT_S)
+                timeout = max(self.timeout_s, ADMIN_TIMEOUT_S)
         try:
             if timeout is not None:
                 kwargs["timeout"] = timeout

@@ -2,9 +2,12 @@
 
 A poll at 10 Hz is one small request every 100 ms, for the life of the daemon, on the machine the engine
 runs on. httpx spent 0.5 ms of CPU per request on an idle 2-vCPU machine and 1.7 ms with the engine busy,
-`http.client` 0.1 ms and ~0.4 ms (docs/benchmarks.md, "Supervisor polling"). One connection per thread:
-the supervisor reads engines from a thread pool while fix jobs and profiles call the same client from
-their own threads, and an `http.client` connection carries one request at a time.
+`http.client` 0.1 ms and ~0.4 ms (docs/benchmarks.md, "Supervisor polling"). An `http.client` connection
+carries one request at a time, and the supervisor reads engines from a pool of threads while fix jobs and profiles
+call the same client from their own, so each request takes an idle kept-alive connection (a new one when none is
+idle) and gives it back: a client holds as many connections as it ever had requests at once, usually one. (One
+connection per thread, as before, came to one per reader thread per engine: 16 x 300 sockets for a 300-engine
+fleet.)
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ class HttpClient:
         self._host, self._port = parts.hostname, parts.port
         self._prefix = parts.path.rstrip("/")
         self.timeout_s = timeout_s
-        self._local = threading.local()
+        self._idle: list[http.client.HTTPConnection] = []  # kept alive, not in use; the last returned first
         self._all: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
 
@@ -79,29 +82,37 @@ class HttpClient:
                 raise HttpError(f"{type(exc).__name__}: {exc or 'timed out'}") from None
             if response.will_close:
                 self._drop(conn)
+            else:
+                with self._lock:
+                    if conn in self._all:  # not closed meanwhile by close()
+                        self._idle.append(conn)
             return reply
         raise AssertionError("unreachable")  # the loop returns or raises
 
     def close(self) -> None:
         with self._lock:
-            connections, self._all = self._all, []
+            connections, self._all, self._idle = self._all, [], []
         for conn in connections:
             conn.close()
 
-    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
-        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
-        if conn is not None:
-            return conn, conn.sock is not None
-        kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-        conn = kind(self._host, self._port, timeout=self.timeout_s)
-        self._local.conn = conn
+    @property
+    def connections(self) -> int:
+        """Connections open or kept alive now."""
         with self._lock:
+            return len(self._all)
+
+    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
+        with self._lock:
+            if self._idle:
+                conn = self._idle.pop()
+                return conn, conn.sock is not None
+            kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+            conn = kind(self._host, self._port, timeout=self.timeout_s)
             self._all.append(conn)
-        return conn, False
+            return conn, False
 
     def _drop(self, conn: http.client.HTTPConnection) -> None:
         conn.close()
-        self._local.conn = None
         with self._lock:
             if conn in self._all:
                 self._all.remove(conn)

@@ -56,21 +56,24 @@ def snapshot_problems(snap: Snapshot) -> list[str]:
     return problems
 
 
+def backwards(before: Snapshot, after: Snapshot) -> dict[str, str]:
+    """The counters that went backwards from one snapshot to the next of the same process (same start time), each
+    with its problem: a counter resets only when its process restarts."""
+    if not before.knows("uptime_s") or abs(after.engine.started_at - before.engine.started_at) > SAME_START_S:
+        return {}
+    return {field: f"{_named(after, field)} went backwards from {get(before)} to {get(after)} without a restart: "
+                   "two servers behind one address, or a broken exporter"
+            for field, get in COUNTERS.items()
+            if before.knows(field) and after.knows(field) and get(after) < get(before)}
+
+
 def history_problems(snaps: Sequence[Snapshot]) -> list[str]:
-    """Counters that went backwards between consecutive snapshots of one process (same start time): a counter
-    resets only when its process restarts."""
-    problems: list[str] = []
-    seen: set[str] = set()
+    """Counters that went backwards between consecutive snapshots of one process, the first time for each."""
+    found: dict[str, str] = {}
     for before, after in itertools.pairwise(snaps):
-        if not before.knows("uptime_s") or abs(after.engine.started_at - before.engine.started_at) > SAME_START_S:
-            continue
-        for field, get in COUNTERS.items():
-            if field in seen or not (before.knows(field) and after.knows(field)) or get(after) >= get(before):
-                continue
-            seen.add(field)
-            problems.append(f"{_named(after, field)} went backwards from {get(before)} to {get(after)} without a "
-                            "restart: two servers behind one address, or a broken exporter")
-    return problems
+        for field, problem in backwards(before, after).items():
+            found.setdefault(field, problem)
+    return list(found.values())
 
 
 def problems(snaps: Sequence[Snapshot]) -> list[str]:

@@ -1,66 +1,148 @@
 """A Prometheus text scrape, flattened to what the adapters ask of it: a sample's value summed over its
 label sets, a label's values, and a histogram's buckets.
 
-Parsed with `prometheus_client.parser.text_string_to_metric_families`. Sums over labels because a server
-exports one series per model, engine or tensor-parallel rank, and the adapters want the server's total.
+Sums over labels because a server exports one series per model, engine or tensor-parallel rank, and the adapters
+want the server's total. Parsed here rather than with `prometheus_client.parser`, which reads a character at a
+time: it took 16-30 ms for one 52 KB vLLM scrape on a 2-vCPU EPYC, so a supervisor polling 300 vLLMs at 2 Hz
+would have spent several cores parsing (docs/benchmarks.md, "A fleet"). Parsing is lazy: one pass groups the lines
+by sample name, and a name's labels and values are parsed when first asked for, since an adapter reads about a
+fifth of what vLLM exports (its histograms' buckets are most of the text). A line that does not parse costs only
+itself: it is kept in `damaged_lines`, as a scrape cut off mid-line loses its last line.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-from prometheus_client.parser import text_string_to_metric_families
+Series = list[tuple[dict[str, str], float]]
+
+_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+# name, the text between the braces (label values may hold '}' or ',', so the last '}' closes it), value, and an
+# optional millisecond timestamp, which kvops does not need.
+_SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\s*\{(.*)\}\s*|\s+)(\S+)(?:\s+-?\d+)?\s*")
+_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*\s*=\s*"(?:[^"\\]|\\.)*"'
+_LABELS = re.compile(rf"\s*(?:{_LABEL}\s*(?:,\s*|$))*")  # a whole label set, checked in one pass
+_PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
+_ESCAPE = re.compile(r"\\(.)")
+_ESCAPED = {"n": "\n", "\\": "\\", '"': '"'}
+_VALUE = re.compile(r"[+-]?(?:[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?|[0-9]+\.|Inf|inf|NaN|nan)")
 
 
 class ScrapeError(ValueError):
     """The text is not the Prometheus exposition format; the message says where it broke."""
 
 
+def _labels(text: str) -> dict[str, str] | None:
+    """The label set between a sample's braces; None when it does not parse."""
+    if _LABELS.fullmatch(text) is None:
+        return None
+    if "\\" not in text:
+        return dict(_PAIR.findall(text))
+    return {name: _ESCAPE.sub(lambda m: _ESCAPED.get(m.group(1), m.group(0)), value)
+            for name, value in _PAIR.findall(text)}
+
+
+def _sample(line: str) -> tuple[dict[str, str], float] | None:
+    found = _SAMPLE.fullmatch(line)
+    if found is None or _VALUE.fullmatch(found.group(3)) is None:
+        return None
+    inside = found.group(2)
+    labels = _labels(inside) if inside else {}
+    return None if labels is None else (labels, float(found.group(3)))
+
+
+class _Samples(Mapping[str, Series]):
+    """Sample name -> its series, each name's lines parsed on first access. A name every line of which is damaged
+    is absent."""
+
+    def __init__(self, lines: dict[str, list[str]], damaged: list[str]) -> None:
+        self._lines = lines
+        self._parsed: dict[str, Series] = {}
+        self._damaged = damaged
+
+    def _series(self, name: str) -> Series | None:
+        series = self._parsed.get(name)
+        if series is None:
+            lines = self._lines.get(name)
+            if lines is None:
+                return None
+            series = []
+            for line in lines:
+                sample = _sample(line)
+                if sample is None:
+                    self._damaged.append(line)
+                else:
+                    series.append(sample)
+            self._parsed[name] = series
+            del self._lines[name]
+        return series or None
+
+    def __getitem__(self, name: str) -> Series:
+        series = self._series(name)
+        if series is None:
+            raise KeyError(name)
+        return series
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self._series(name) is not None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([name for name in [*self._parsed, *self._lines] if self._series(name) is not None])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def raw_names(self) -> set[str]:
+        return set(self._parsed).union(self._lines)
+
+
 @dataclass
 class Scrape:
-    samples: dict[str, list[tuple[dict[str, str], float]]] = field(default_factory=dict)
-    types: dict[str, str] = field(default_factory=dict)  # family name -> counter | gauge | histogram | ...
-    damaged_lines: list[str] = field(default_factory=list)  # lines dropped because they did not parse
+    samples: Mapping[str, Series] = field(default_factory=dict)
+    types: dict[str, str] = field(default_factory=dict)  # family name (as in its TYPE line) -> counter | gauge | ...
+    _damaged: list[str] = field(default_factory=list, repr=False)
 
     @classmethod
     def parse(cls, text: str) -> Scrape:
         """Parse the scrape; a scrape cut off mid-line (a dropped connection, a truncated file) loses only the
         lines that do not parse, which are kept in `damaged_lines`."""
-        try:
-            return cls._parse(text)
-        except ScrapeError:
-            pass
-        kept, damaged = [], []
-        for line in text.splitlines():
-            if line.strip() and not line.startswith("#"):
-                try:
-                    list(text_string_to_metric_families(line + "\n"))
-                except (ValueError, TypeError, IndexError):
-                    damaged.append(line)
-                    continue
-            kept.append(line)
-        scrape = cls._parse("\n".join(kept) + "\n")
-        scrape.damaged_lines = damaged
-        return scrape
-
-    @classmethod
-    def _parse(cls, text: str) -> Scrape:
-        samples: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
+        lines: dict[str, list[str]] = defaultdict(list)
         types: dict[str, str] = {}
-        try:
-            for family in text_string_to_metric_families(text):
-                types[family.name] = family.type
-                for sample in family.samples:
-                    samples[sample.name].append((dict(sample.labels), float(sample.value)))
-        except (ValueError, TypeError, IndexError) as exc:
-            raise ScrapeError(f"not Prometheus text exposition format: {exc}") from None
-        return cls(dict(samples), types)
+        damaged: list[str] = []
+        for line in text.splitlines():
+            if not line or line.isspace():
+                continue
+            if line[0] == "#":
+                parts = line.split(None, 3)
+                if len(parts) >= 4 and parts[1] == "TYPE":
+                    types[parts[2]] = parts[3].strip()
+                continue
+            found = _NAME.match(line)
+            if found is None:
+                damaged.append(line)
+                continue
+            name = found.group()
+            if types.get(name) == "counter" and not name.endswith("_total"):
+                name += "_total"  # as prometheus_client names a counter's sample (Triton's, llama.cpp's lack it)
+            lines[name].append(line)
+        return cls(_Samples(dict(lines), damaged), types, damaged)
+
+    @property
+    def damaged_lines(self) -> list[str]:
+        """The lines that did not parse (reading this parses every line)."""
+        for _ in self.samples:
+            pass
+        return self._damaged
 
     @property
     def names(self) -> set[str]:
-        return set(self.samples)
+        """Every sample name in the text (a name whose every line is damaged included: reading it parses none)."""
+        samples = self.samples
+        return samples.raw_names() if isinstance(samples, _Samples) else set(samples)
 
     def has(self, name: str) -> bool:
         return name in self.samples

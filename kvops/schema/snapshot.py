@@ -6,6 +6,7 @@ Defined once here and used by the engine (`/stats`), the supervisor, `kvops top`
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 
@@ -287,4 +288,21 @@ class Snapshot(BaseModel):
 
     def knows(self, path: str) -> bool:
         """False when `path` (or a field containing it) is among the fields the source does not report."""
-        return not any(path == gap or path.startswith(gap + ".") for gap in self.unknown)
+        if not self.unknown:
+            return True
+        gaps = _gaps(tuple(self.unknown))
+        if path in gaps:
+            return False
+        dot = path.find(".")
+        while dot != -1:  # a containing field: "blocks" holds "blocks.usage"
+            if path[:dot] in gaps:
+                return False
+            dot = path.find(".", dot + 1)
+        return True
+
+
+@functools.lru_cache(maxsize=256)
+def _gaps(unknown: tuple[str, ...]) -> frozenset[str]:
+    """A source's unknown fields as a set: rules and adapters ask `knows` thousands of times a poll, and a scraped
+    snapshot lists dozens of gaps (a linear scan was a third of a fleet supervisor's reading time)."""
+    return frozenset(unknown)

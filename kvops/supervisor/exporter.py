@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
@@ -172,6 +172,17 @@ def _supervisor_families(sup: Supervisor) -> Iterator[Metric]:
     yield GaugeMetricFamily("kvops_supervisor_last_poll_duration_seconds",
                             "Duration of the last poll cycle (all engines, rules, alerts, fixes).",
                             value=sup.last_poll_s)
+    timing = sup.timing
+    for name, doc, histogram in (
+            ("kvops_supervisor_poll_duration_seconds", "Poll cycles by duration (all engines, rules, alerts, fixes).",
+             timing.duration),
+            ("kvops_supervisor_poll_lateness_seconds", "Poll cycles by how long after their due time they started.",
+             timing.lateness),
+            ("kvops_supervisor_rule_evaluation_seconds", "Rule evaluations (every rule on every engine) by duration.",
+             timing.evaluation)):
+        yield HistogramMetricFamily(name, doc, buckets=histogram.cumulative(), sum_value=histogram.total)
+    yield CounterMetricFamily("kvops_supervisor_polls_late", "Poll cycles that took longer than the poll interval, "
+                              "so that every engine's next poll started late.", value=timing.late_total)
 
 
 def _engine_families(sup: Supervisor, kinds: dict[str, str]) -> Iterator[Metric]:

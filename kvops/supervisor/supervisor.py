@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import structlog
 
 from kvops.adapters.engine_client import EngineClient, EngineUnreachable
-from kvops.adapters.plausibility import problems
+from kvops.adapters.plausibility import backwards, snapshot_problems
 from kvops.alerting import Alerter
 from kvops.engine.metrics import TenantLabels
 from kvops.events.endpoint import EventSource
@@ -37,6 +37,7 @@ from kvops.kinds.client import WatchedEngineClient
 from kvops.rules import evaluate_all
 from kvops.schema.diagnosis import Diagnosis, Severity
 from kvops.schema.engines import GatewayLink
+from kvops.schema.snapshot import Snapshot
 from kvops.supervisor.audit import AuditLog
 from kvops.supervisor.config import EngineSpec, KvopsConfig
 from kvops.supervisor.event_feeds import EventFeeds
@@ -47,6 +48,7 @@ from kvops.supervisor.gateway_tenants import GatewayTenants
 from kvops.supervisor.hysteresis import Hysteresis
 from kvops.supervisor.managed_engine import ManagedEngine
 from kvops.supervisor.managed_gateway import GatewayHandle
+from kvops.supervisor.poll_timing import PollTiming
 from kvops.supervisor.probes import ProbeRefused, Probes
 
 log = structlog.get_logger("kvops.supervisor")
@@ -66,6 +68,7 @@ class EngineState:
     diagnoses: list[Diagnosis] = field(default_factory=list)
     process_seen: object = None  # the managed process last polled: a different one means a (re)start
     data_problems: list[str] = field(default_factory=list)  # kvops.adapters.plausibility's, latest poll
+    counters_backwards: dict[str, tuple[float, str]] = field(default_factory=dict)  # counter -> (seen at, problem)
     gateway: GatewayHandle | None = None  # the `kvops gateway` in front of it ([engines.gateway])
     gateway_admin: GatewayAdmin | None = None  # fixes of kind gateway go through it
 
@@ -131,6 +134,7 @@ class Supervisor:
         self.polls_total = 0
         self.poll_errors: dict[str, int] = {name: 0 for name in self.engines}
         self.last_poll_s = 0.0
+        self.timing = PollTiming(settings.poll_interval_s)
         self._stop = threading.Event()
         # Engines are read side by side: one that hangs until its timeout must not delay the others' snapshots.
         self._readers = ThreadPoolExecutor(max_workers=min(16, len(self.engines)), thread_name_prefix="kvops-poll")
@@ -177,13 +181,17 @@ class Supervisor:
 
     def _run(self) -> None:
         interval = self.config.supervisor.poll_interval_s
+        due = time.monotonic()
         while not self._stop.is_set():
             started = time.monotonic()
             try:
                 self.poll_once()
             except Exception:  # one bad cycle must not end supervision
                 log.exception("poll cycle failed")
-            self._stop.wait(max(0.0, interval - (time.monotonic() - started)))
+            took = time.monotonic() - started
+            self.timing.cycle(took, started - due)
+            due = started + interval
+            self._stop.wait(max(0.0, interval - took))
 
     # ----------------------------------------------------------------- poll
 
@@ -197,11 +205,13 @@ class Supervisor:
                 self.last_poll_s = time.perf_counter() - started
                 return self.diagnoses
             raised: list[Diagnosis] = []
+            evaluating = time.perf_counter()
             for state in self.engines.values():
                 errors: Counter[str] = Counter()
                 raised.extend(evaluate_all(state.history, self.rule_settings, now, errors))
                 for rule, count in errors.items():
                     self.rule_errors[(rule, state.name)] += count
+            self.timing.evaluated(time.perf_counter() - evaluating)
             held = self.hysteresis.update(raised, now)
             for state in self.engines.values():
                 state.diagnoses = [d for d in held if d.engine == state.name]
@@ -271,16 +281,26 @@ class Supervisor:
             # Joining a server that was already running: its counters were zero when it started, so the
             # rules see what it did since then, as doctor does (rules ignore a start outside their window).
             state.history.add(at_start(snap))
+        previous = state.history.latest
         state.history.add(snap)
-        self._check_data(state)
+        self._check_data(state, previous, now)
         if not profile_of(snap).can(Capability.PROFILES):
             return  # the profiles are kvops admin endpoints
         self._schedule_probes(state, snap.engine.kv_cache_dtype != snap.engine.dtype,
                               snap.requests.finished_total, now)
 
-    def _check_data(self, state: EngineState) -> None:
-        """Values that cannot be right, over the last minute: kept for the API and /metrics, logged when new."""
-        found = problems(state.history.window(DATA_WINDOW_S))
+    def _check_data(self, state: EngineState, previous: Snapshot | None, now: float) -> None:
+        """Values that cannot be right, over the last minute: kept for the API and /metrics, logged when new. Each
+        pair of snapshots is compared once, as it arrives (comparing the minute's every pair again each poll grew
+        with the history and was a third of a fleet supervisor's reading)."""
+        latest = state.history.latest
+        if latest is None:
+            return
+        if previous is not None:
+            for counter, problem in backwards(previous, latest).items():
+                state.counters_backwards.setdefault(counter, (now, problem))
+        state.counters_backwards = {k: v for k, v in state.counters_backwards.items() if now - v[0] <= DATA_WINDOW_S}
+        found = snapshot_problems(latest) + [problem for _, problem in state.counters_backwards.values()]
         for problem in sorted(set(found) - set(state.data_problems)):
             log.warning("implausible metrics data", engine=state.name, problem=problem)
         state.data_problems = found
