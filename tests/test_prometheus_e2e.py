@@ -62,7 +62,7 @@ CORE_PANELS = {
     "KV usage", "Blocks by state", "Reclaimable blocks and time to exhaustion", "Prefix hit rate",
     "Prefix hit rate per tenant", "Swap rate", "Preemptions", "Prompt length", "Time to first token",
     "Inter-token latency", "Running and waiting", "Tokens per second", "Diagnoses by severity", "Engine up",
-    "Blocks held per tenant",
+    "Blocks held per tenant", "Fleet: every engine, worst first",
 }
 # Panels whose first query must give numbers, not NaN: the latency quantiles and hit rates over requests
 # just served.
@@ -70,7 +70,8 @@ FINITE_PANELS = {"Time to first token", "Inter-token latency", "Prefix hit rate"
 TENANTS = ("alice", "bob")
 # Panels that read the supervisor's per-engine series: they show the vLLM engine as well as the kvops one.
 EVERY_KIND_PANELS = {"KV usage", "Reclaimable blocks and time to exhaustion", "Prefix hit rate", "Preemptions",
-                     "Running and waiting", "Tokens per second", "Engines: kind, block size, pool", "Engine up"}
+                     "Running and waiting", "Tokens per second", "Engines: kind, block size, pool", "Engine up",
+                     "Fleet: every engine, worst first"}
 
 
 

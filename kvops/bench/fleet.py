@@ -246,6 +246,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=float, default=WARMUP_S,
                         help="seconds after the supervisor answers before measuring (default: %(default)s)")
     parser.add_argument("--json", type=Path, help="write the rows here, with the machine")
+    parser.add_argument("--plot", type=Path, help="draw CPU, memory and poll time against engines into this PNG "
+                                                  "(needs matplotlib: pip install 'kvops[bench]')")
     return parser
 
 
@@ -276,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             print(_line(row), flush=True)
             if args.json:
                 _save(args.json, rows)
+    if args.plot:
+        plot(rows, args.plot)
     return 0
 
 
@@ -291,3 +295,38 @@ def _save(path: Path, rows: list[FleetRow]) -> None:
     report = {"command": " ".join(["kvops bench fleet", *sys.argv[3:]]) if sys.argv[1:3] == ["bench", "fleet"]
               else "kvops bench fleet", "machine": machine(), "rows": [asdict(r) for r in rows]}
     path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def plot(rows: list[FleetRow], path: Path) -> Path | None:
+    """CPU cores, peak memory and the poll cycle's p99 against the number of engines, with the targets."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'kvops[bench]'): no plot, the JSON has the numbers",
+              file=sys.stderr)
+        return None
+    engines = [r.engines for r in rows]
+    fig, (cpu, memory, polls) = plt.subplots(1, 3, figsize=(12.0, 3.6))
+    cpu.plot(engines, [r.cpu_cores for r in rows], marker="o")
+    cpu.axhline(1.0, color="grey", linestyle="--", label="target: 1 core at 300")
+    cpu.set(xlabel="engines watched", ylabel="supervisor CPU (cores)", title="CPU")
+    memory.plot(engines, [r.rss_mb for r in rows], marker="o")
+    memory.axhline(1024, color="grey", linestyle="--", label="target: 1 GiB at 300")
+    memory.set(xlabel="engines watched", ylabel="peak RSS (MiB)", title="Memory")
+    polls.plot(engines, [r.poll_p99_s for r in rows], marker="o", label="poll cycle p99 (bucket bound)")
+    polls.plot(engines, [r.polls_on_time for r in rows], marker="s", label="share of polls on time")
+    polls.axhline(rows[0].poll_interval_s, color="grey", linestyle="--", label="poll interval (s)")
+    polls.set(xlabel="engines watched", title="Polls")
+    for ax in (cpu, memory, polls):
+        ax.set_xscale("log")
+        ax.set_xticks(engines, [str(n) for n in engines])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path

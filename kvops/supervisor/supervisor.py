@@ -213,8 +213,11 @@ class Supervisor:
                     self.rule_errors[(rule, state.name)] += count
             self.timing.evaluated(time.perf_counter() - evaluating)
             held = self.hysteresis.update(raised, now)
+            by_engine: defaultdict[str, list[Diagnosis]] = defaultdict(list)
+            for diagnosis in held:  # grouped once: filtering all of them per engine grew with the fleet squared
+                by_engine[diagnosis.engine].append(diagnosis)
             for state in self.engines.values():
-                state.diagnoses = [d for d in held if d.engine == state.name]
+                state.diagnoses = by_engine.get(state.name, [])
             diagnoses = held + self.alerter.self_diagnoses(now)
             self.diagnoses = diagnoses
             # Alerts start once the rules have had time to see data: evaluating earlier would resolve
