@@ -60,7 +60,8 @@ def _top(args: argparse.Namespace) -> int:
     from kvops.top import run_top
 
     return run_top(args.attach, once=args.once, as_json=args.json, admin_token=args.admin_token,
-                   interval_s=args.interval, demo=args.demo, start=args.start)
+                   interval_s=args.interval, demo=args.demo, start=args.start, prometheus=args.prometheus,
+                   selector=args.selector)
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -180,6 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--attach", default=None, metavar="URL",
                      help="the `kvops run` supervisor to show (default: $KVOPS_TOP_URL, else "
                           "http://127.0.0.1:9400); never starts anything")
+    top.add_argument("--prometheus", default=None, metavar="URL",
+                     help="show the fleet instead: every engine of every kvops supervisor this Prometheus scrapes, "
+                          "worst first; enter opens the row's supervisor (see docs/deployment.md)")
+    top.add_argument("--selector", default=None, metavar="'{LABEL=\"VALUE\",...}'",
+                     help="with --prometheus: only the supervisors whose series match, e.g. '{cluster=\"a\"}'")
     top.add_argument("--demo", action="store_true",
                      help="start a supervisor, a small engine and a mixed workload (tenants, shared prefixes, noisy "
                           "prompts, a flooding tenant) for this session: diagnoses appear within a minute")

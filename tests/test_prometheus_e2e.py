@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from waiting import wait_for
+from waiting import stop_process, wait_for
 
 from kvops.processes import free_port
 
@@ -198,13 +198,7 @@ def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    stop_process(proc)
 
 
 def _serve_requests(engine: str, questions: list[str]) -> None:

@@ -29,3 +29,14 @@ def wait_for(what: str, check: Callable[[], Any], timeout_s: float,
             return value
         time.sleep(every_s)
     raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout_s` (a clean stop first: servers drain)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

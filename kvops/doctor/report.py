@@ -6,8 +6,9 @@ import enum
 
 from pydantic import BaseModel, Field
 
+FLEET = "Fleet"  # `kvops doctor --prometheus`: the heading of a report of its own (kvops.doctor.fleet), no validator's
 SECTIONS = ("Environment", "Configuration", "Liveness", "Metrics data", "Cache health", "KV cache events",
-            "Traffic")
+            "Traffic", FLEET)
 
 
 class Status(enum.StrEnum):

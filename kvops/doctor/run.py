@@ -30,6 +30,10 @@ def add_doctor_args(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--url", help=f"a running {_titles()} server (recognised from its /metrics and /v1/models)")
     target.add_argument("--config", metavar="FILE", help="a kvops TOML config: static checks, nothing started")
     target.add_argument("--metrics-file", metavar="FILE", help=f"offline: a saved /metrics scrape ({_titles()})")
+    target.add_argument("--prometheus", metavar="URL", help="the fleet: every engine of every kvops supervisor this "
+                        "Prometheus scrapes, worst first, with each troubled engine's diagnoses from its supervisor")
+    parser.add_argument("--selector", metavar="'{LABEL=\"VALUE\",...}'",
+                        help="with --prometheus: only the supervisors whose series match, e.g. '{cluster=\"a\"}'")
     parser.add_argument("--kv-quant", action="store_true",
                         help="also take the per-layer KV quantization error profile (kvops engines; pauses "
                              "serving for a few seconds)")
@@ -95,6 +99,12 @@ def diagnose(args: argparse.Namespace) -> Report:
     if getattr(args, "events", None) is not None and not args.url:
         return Report(target="KV cache events", could_not_check="--events listens to the KV events of the engine "
                                                                  "given by --url: add --url http://HOST:PORT")
+    if getattr(args, "selector", None) and not getattr(args, "prometheus", None):
+        return Report(target="the fleet", could_not_check="--selector picks engines of a fleet: add --prometheus URL")
+    if getattr(args, "prometheus", None):
+        from kvops.doctor.fleet import fleet_report
+
+        return fleet_report(args.prometheus, args.selector, args.timeout)
     if args.metrics_file:
         report = _metrics_file(examined, Path(args.metrics_file))
     elif args.url:

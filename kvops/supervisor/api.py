@@ -17,10 +17,14 @@ GET  /api/fixes                               fix jobs, pending and the last fin
                                               verifying, reverting, verified, rolled_back, failed, reverted),
                                               progress ("verifying 40/60 s"), times, windows, settings, verdict
 POST /api/fixes/apply                         {"engine", "rule", "subject"}: queue a proposed fix (admin token);
-                                              answers its `queued` audit entry, the job runs in the background
+                                              answers its `queued` audit entry, the job runs in the background;
+                                              409 on a standby (another supervisor holds the fix lease: named)
 POST /api/fixes/{id}/revert                   undo a fix (any of its audit ids) verifying or kept (admin token);
-                                              503 when the engine is unreachable: kvops retries the undo itself
+                                              503 when the engine is unreachable: kvops retries the undo itself;
+                                              409 on a standby
 POST /api/engines/{name}/resume               restart a managed engine stopped in a crash loop (admin token)
+GET  /api/fix-lease                           high availability: this supervisor's role (holder, standby, or alone
+                                              without a lease), the lease's holder and its URL
 GET  /api/engines/{name}/profiles             the latest block-size and KV quantization profiles, and which runs now
 POST /api/engines/{name}/profiles/block-size  run the block-size profile now (admin token; serving pauses 5-15 s);
                                               202, then GET .../profiles; 409 when off, running or not a kvops engine
@@ -42,7 +46,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvops.schema.audit import AuditEntry
 from kvops.schema.engines import EngineEntry
 from kvops.supervisor import exporter
-from kvops.supervisor.fixes import FixError, RevertPending
+from kvops.supervisor.fix_lease import ALONE
+from kvops.supervisor.fixes import FixError, NotHolder, RevertPending
 from kvops.supervisor.managed_engine import LOG_TAIL_LINES, ManagedEngine
 from kvops.supervisor.probes import ProbeRefused
 
@@ -97,6 +102,8 @@ def fix_step(step: Callable[[], AuditEntry], status_if_refused: int) -> JSONResp
     """Run a fix step; a FixError (the reason it cannot be done) is the refusal's message."""
     try:
         entry = step()
+    except NotHolder as exc:  # whatever the step: another supervisor does it
+        raise Refusal(409, str(exc)) from None
     except RevertPending as exc:  # not a refusal: accepted, and retried in the background
         raise Refusal(503, str(exc)) from None
     except FixError as exc:
@@ -138,7 +145,12 @@ def _add_watch_routes(app: FastAPI, sup: Supervisor) -> None:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "engines": len(sup.engines), "polls": sup.polls_total}
+        return {"status": "ok", "engines": len(sup.engines), "polls": sup.polls_total,
+                "fix_lease": _lease_view(sup)["role"]}
+
+    @app.get("/api/fix-lease")
+    async def fix_lease() -> dict[str, Any]:
+        return _lease_view(sup)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -199,6 +211,20 @@ def _add_watch_routes(app: FastAPI, sup: Supervisor) -> None:
 
 
 
+def refuse_if_standby(sup: Supervisor) -> None:
+    """Before the request is looked up: a standby sends every change to the lease holder (its jobs, its audit log)."""
+    try:
+        sup.fixes.refuse_if_standby()
+    except NotHolder as exc:
+        raise Refusal(409, str(exc)) from None
+
+
+def _lease_view(sup: Supervisor) -> dict[str, Any]:
+    """GET /api/fix-lease: `role` holder or standby (with a lease configured) or alone (without one), the holder and
+    its URL, when its lease expires."""
+    return (ALONE if sup.fix_lease is None else sup.fix_lease.view()).as_dict()
+
+
 def _engine_entry(name: str, state: EngineState) -> EngineEntry:
     """GET /api/engines's row for one engine."""
     latest, managed = state.history.latest, state.managed
@@ -234,6 +260,7 @@ def _add_fix_routes(app: FastAPI, sup: Supervisor) -> None:
     @app.post("/api/fixes/apply")
     def apply_fix(body: ApplyFixBody, authorization: str | None = Header(default=None)) -> JSONResponse:
         require_admin(sup, authorization)
+        refuse_if_standby(sup)
         state = engine_named(sup, body.engine)
         match = next((d for d in state.diagnoses if d.rule == body.rule and d.subject == body.subject), None)
         if match is None:
@@ -243,6 +270,7 @@ def _add_fix_routes(app: FastAPI, sup: Supervisor) -> None:
     @app.post("/api/fixes/{entry_id}/revert")
     def revert_fix(entry_id: int, authorization: str | None = Header(default=None)) -> JSONResponse:
         require_admin(sup, authorization)
+        refuse_if_standby(sup)
         return fix_step(lambda: sup.fixes.revert(entry_id), 404)
 
 

@@ -32,6 +32,7 @@ from kvops.events.endpoint import EventSource, parse_source
 from kvops.kinds import AUTO, PROFILES, Capability, kinds, managed_kinds, managed_profile, profile
 from kvops.rules import RULES
 from kvops.schema.errors import ConfigError
+from kvops.supervisor.fix_lease import lease_problem
 from kvops.supervisor.judge import JudgeSettings
 from kvops.supervisor.probes import BlockSizeProfileSettings
 from kvops.vllm.launch import KV_EVENTS_KEY, managed_event_endpoints, read_kv_events_config
@@ -295,16 +296,50 @@ class SupervisorSettings(_Strict):
     alert_warmup_s: float = Field(30.0, ge=0)  # after start, rules gather data before alerts are evaluated
     admin_token_env: str = "KVOPS_ADMIN_TOKEN"  # the supervisor API's token for applying or reverting fixes
     external_url: str | None = None  # how people reach this supervisor (alert links); default http://listen
+    # Two supervisors, one engine (docs/deployment.md): the lease file they share; only its holder applies fixes.
+    # Relative: in state_dir. None: this supervisor alone applies them. The TTL is checked (default too) with a lease.
+    fix_lease: str | None = None
+    fix_lease_ttl_s: float = Field(15.0, gt=0, validate_default=True)  # renewed every evaluation, else lost
 
     @field_validator("listen")
     @classmethod
     def _listen(cls, value: str) -> str:
         return _check_listen(value)
 
+    @field_validator("fix_lease")
+    @classmethod
+    def _fix_lease(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and (problem := lease_problem(_lease_path(value, info.data.get("state_dir", "")))):
+            raise ValueError(problem)
+        return value
+
+    @field_validator("fix_lease_ttl_s")
+    @classmethod
+    def _fix_lease_ttl(cls, value: float, info: ValidationInfo) -> float:
+        # The holder renews once per evaluation (every n-th poll): a lease of fewer than three would be lost to one
+        # slow poll cycle, and the two supervisors would trade it back and forth.
+        if info.data.get("fix_lease") is None:
+            return value
+        poll, evaluation = info.data.get("poll_interval_s", 0.5), info.data.get("evaluation_interval_s", 0.5)
+        period = max(1, round(evaluation / poll)) * poll
+        if value < 3 * period:
+            raise ValueError(f"the lease must last at least 3 evaluations (3 x {period:g} s = {3 * period:g} s): "
+                             "the holder renews it once per evaluation")
+        return value
+
+    @property
+    def fix_lease_path(self) -> Path | None:
+        return None if self.fix_lease is None else _lease_path(self.fix_lease, self.state_dir)
+
     @field_validator("external_url")
     @classmethod
     def _external_url(cls, value: str | None) -> str | None:
         return None if value is None else _check_url(value)
+
+
+def _lease_path(value: str, state_dir: str) -> Path:
+    path = Path(os.path.expanduser(value))
+    return path if path.is_absolute() else Path(os.path.expanduser(state_dir)) / path
 
 
 class KvopsConfig(_Strict):

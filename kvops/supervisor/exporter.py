@@ -163,8 +163,11 @@ class SupervisorCollector(Collector):
 
 
 def _supervisor_families(sup: Supervisor) -> Iterator[Metric]:
-    info = GaugeMetricFamily("kvops_supervisor_info", "Supervisor version; always 1.", labels=["version"])
-    info.add_metric([__version__], 1)
+    # supervisor_url: where people and `kvops top --prometheus` reach this supervisor (its external_url), so a
+    # fleet view read from Prometheus can drill down from any of its engines.
+    info = GaugeMetricFamily("kvops_supervisor_info", "Supervisor version and address; always 1.",
+                             labels=["version", "supervisor_url"])
+    info.add_metric([__version__, sup.external_url], 1)
     yield info
     yield GaugeMetricFamily("kvops_supervisor_start_time_seconds", "Supervisor start time, unix seconds.",
                             value=sup.started_at)
@@ -181,6 +184,9 @@ def _supervisor_families(sup: Supervisor) -> Iterator[Metric]:
             ("kvops_supervisor_rule_evaluation_seconds", "Rule evaluations (every rule on every engine) by duration.",
              timing.evaluation)):
         yield HistogramMetricFamily(name, doc, buckets=histogram.cumulative(), sum_value=histogram.total)
+    if sup.fix_lease is not None:  # without a lease there is nothing to hold: no series rather than a constant
+        yield GaugeMetricFamily("kvops_supervisor_fix_lease_held", "1 while this supervisor holds the fix lease and "
+                                "applies fixes, 0 while it is the standby.", value=1 if sup.fix_lease.held() else 0)
     yield CounterMetricFamily("kvops_supervisor_polls_late", "Poll cycles that took longer than the poll interval, "
                               "so that every engine's next poll started late.", value=timing.late_total)
 

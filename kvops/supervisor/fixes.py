@@ -7,7 +7,8 @@ admin call or the managed restart, the windows, the verdict, the rollback — is
 (kvops.supervisor.fix_jobs), run on the engine's worker thread, one job per engine at a time, then a cool-down
 per (rule, subject). Pending jobs and each managed engine's last good settings are persisted
 (kvops.supervisor.fix_state) and resumed after a supervisor restart. Every step goes to the audit log
-(kvops.supervisor.audit) with its numbers.
+(kvops.supervisor.audit) with its numbers. A supervisor that does not hold the fix lease (`standby`, two supervisors
+on one engine: kvops.supervisor.fix_lease) proposes instead of applying, and refuses apply and revert (NotHolder).
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ from kvops.schema.diagnosis import Diagnosis, Fix, FixKind
 from kvops.supervisor.audit import AuditLog
 from kvops.supervisor.fix_jobs import FixError, FixJobs, Judge, Target, real_judge
 
-__all__ = ["FixError", "FixManager", "RevertPending", "Target"]
+__all__ = ["FixError", "FixManager", "NotHolder", "RevertPending", "Target"]
 
 
 class RevertPending(FixError):
     """The undo could not reach the engine: it is retried in the background (HTTP 503)."""
+
+
+class NotHolder(FixError):
+    """Another supervisor holds the fix lease (kvops.supervisor.fix_lease): it applies and reverts (HTTP 409)."""
 
 
 def _same_change(a: Fix | None, b: Fix | None) -> bool:
@@ -49,6 +54,9 @@ class FixManager:
         self.jobs = FixJobs(audit, targets, state_path, cooldown_s=cooldown_s, inconclusive=inconclusive,
                             revert_retry_s=revert_retry_s, judge=judge, clock=clock)
         self.proposed: set[tuple[str, str, str]] = set()  # suggestions already recorded (until resolved)
+        # Why this supervisor applies nothing now ("" when it does): the supervisor's fix lease sets it. A job already
+        # queued or running goes on to its end (a change is never left half-made); no new one starts.
+        self.standby: Callable[[], str] = lambda: ""
 
     # The jobs' collaborators and outcomes, as the supervisor, its exporter and the tests reach them.
     @property
@@ -126,8 +134,9 @@ class FixManager:
 
     # -------------------------------------------------------------- policy
 
-    def consider(self, diagnoses: list[Diagnosis], policy: Callable[[str], str]) -> None:
-        """One evaluation's diagnoses: propose, or enqueue by policy. Never waits for a fix."""
+    def consider(self, diagnoses: list[Diagnosis], policy: Callable[[str], str], standby: str = "") -> None:
+        """One evaluation's diagnoses: propose, or enqueue by policy. Never waits for a fix. `standby`: why this
+        supervisor applies nothing now (another holds the fix lease): `auto` fixes are then proposed, with it."""
         jobs = self.jobs
         with jobs.lock:
             active = {d.key: d for d in diagnoses}
@@ -139,22 +148,26 @@ class FixManager:
                 if (diagnosis.fix is None or rule_policy == "off" or jobs.pending_for(diagnosis.engine, diagnosis.key)
                         or _same_change(jobs.settled.get(diagnosis.key), diagnosis.fix)):
                     continue
-                if rule_policy == "auto" and diagnosis.fix.kind is not FixKind.REPORT:
+                if rule_policy == "auto" and diagnosis.fix.kind is not FixKind.REPORT and not standby:
                     if jobs.pending_for(diagnosis.engine) or jobs.cooldown_until.get(diagnosis.key, 0.0) > now:
                         continue  # one job per engine, or the verdicts get mixed up; then a cool-down
                     try:
                         self.apply(diagnosis)
+                    except NotHolder:
+                        continue  # the lease ran out since this evaluation renewed it: proposed at the next one
                     except FixError:
                         jobs.settled[diagnosis.key] = diagnosis.fix  # recorded as failed: not retried every poll
                 elif diagnosis.key not in self.proposed:
                     self.proposed.add(diagnosis.key)
                     jobs.audited(engine=diagnosis.engine, rule=diagnosis.rule, subject=diagnosis.subject,
-                                 action="proposed", fix=diagnosis.fix, evidence_before=dict(diagnosis.evidence))
+                                 action="proposed", fix=diagnosis.fix, evidence_before=dict(diagnosis.evidence),
+                                 message=standby)
 
     def apply(self, diagnosis: Diagnosis) -> AuditEntry:
         """Queue a diagnosis's fix (policy auto, or a person through the API); returns the `queued` entry.
         FixError (recorded as failed) when kvops cannot apply it at all, or the engine has a job running."""
         jobs = self.jobs
+        self.refuse_if_standby()
         with jobs.lock:
             if jobs.pending_for(diagnosis.engine):
                 raise FixError(f"engine {diagnosis.engine!r} has a fix job running: one at a time (GET /api/fixes)")
@@ -167,6 +180,12 @@ class FixManager:
             self.proposed.discard(diagnosis.key)
         jobs.runner.wake(diagnosis.engine)
         return entry
+
+    def refuse_if_standby(self) -> None:
+        """NotHolder, naming the lease holder, while another supervisor holds the fix lease."""
+        reason = self.standby()
+        if reason:
+            raise NotHolder(f"{reason}: send this request there (GET /api/fix-lease)")
 
     def _cannot_apply(self, diagnosis: Diagnosis) -> str:
         """Why kvops cannot apply this fix at all ("" when it can try): checked before anything is queued."""
@@ -204,6 +223,7 @@ class FixManager:
         """Undo a fix on request (any of its audit entries' ids): first the undo, then the job is closed — so an
         undo that fails leaves the job tracked and retried (RevertPending), never dropped with the change in place."""
         jobs = self.jobs
+        self.refuse_if_standby()
         with jobs.lock:
             job = next((j for j in jobs.tracked.values() if entry_id in j.entry_ids), None)
             if job is None or job.state in ("rolled_back", "failed", "reverted"):

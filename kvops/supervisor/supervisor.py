@@ -8,7 +8,8 @@ seconds run in a side thread on their own schedule (kvops.supervisor.probes), so
 waits for them. kvops's own faults (rules that raise, alerts that cannot be delivered) are
 counted for /metrics and raised as diagnoses of their own (kvops.alerting's self diagnoses). The KV cache
 events of the engines that publish them are read all along (kvops.supervisor.event_feeds) and added to each
-poll's snapshot.
+poll's snapshot. With `fix_lease` set, two supervisors watch one engine and only the lease's holder applies fixes
+(kvops.supervisor.fix_lease): each evaluation renews it, and a standby proposes what the holder would apply.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from kvops.supervisor.audit import AuditLog
 from kvops.supervisor.config import EngineSpec, KvopsConfig
 from kvops.supervisor.event_feeds import EventFeeds
 from kvops.supervisor.fix_jobs import real_judge
+from kvops.supervisor.fix_lease import FixLease
 from kvops.supervisor.fixes import FixManager, Target
 from kvops.supervisor.gateway_admin import GatewayAdmin
 from kvops.supervisor.gateway_tenants import GatewayTenants
@@ -92,6 +94,11 @@ class Supervisor:
         state_dir.mkdir(parents=True, exist_ok=True)
         settings = config.supervisor
         self.external_url = settings.external_url or f"http://{settings.listen}"
+        # High availability: with a lease configured, fixes are applied only while this supervisor holds it. First: a
+        # lease it cannot keep is a start error (ConfigError), before anything is opened or started.
+        lease_path = settings.fix_lease_path
+        self.fix_lease = None if lease_path is None else FixLease(lease_path, settings.fix_lease_ttl_s,
+                                                                  self.external_url, clock=clock)
         self.alerter = Alerter(config.alerting, state_dir, self.external_url, clock=clock)
         self.rule_settings = config.rule_settings()
         self.engines: dict[str, EngineState] = {}
@@ -130,6 +137,7 @@ class Supervisor:
         # Before the managed engines start: they start on their last good settings, and pending jobs resume.
         self.fixes.resume({name: (dict(s.spec.args), partial(_set_args, s.managed))
                            for name, s in self.engines.items() if s.managed is not None})
+        self.fixes.standby = self.standby_reason
         self.diagnoses: list[Diagnosis] = []
         self.polls_total = 0
         self.poll_errors: dict[str, int] = {name: 0 for name in self.engines}
@@ -151,6 +159,8 @@ class Supervisor:
             if state.gateway is not None:
                 state.gateway.start(state.url)  # it may come up before its engine: it answers 502 meanwhile
         self.alerter.start()
+        if self.fix_lease is not None:
+            self.fix_lease.renew()  # before the API answers: a role from the first request on
         self.fixes.start()
         self._thread.start()
         log.info("supervisor started", engines={s.name: s.url for s in self.engines.values()},
@@ -167,6 +177,9 @@ class Supervisor:
         if self._thread.is_alive():
             self._thread.join(timeout=30)
         self.fixes.stop()
+        if self.fix_lease is not None:
+            # After the poll loop (which renews it) and the fix workers: the standby takes it at its next evaluation.
+            self.fix_lease.release()
         self._readers.shutdown(wait=True)
         for state in self.engines.values():
             if state.managed is not None:
@@ -224,8 +237,9 @@ class Supervisor:
             # the alerts restored from the outbox only to fire them again a minute later.
             if now - self.started_at >= self.config.supervisor.alert_warmup_s:
                 self.alerter.evaluate([d for d in diagnoses if d.severity is not Severity.INFO], now)
-            # Fixes act on what the rules see now, not on what hysteresis still holds.
-            self.fixes.consider(raised, self.config.policy)  # only enqueues: jobs run on their own threads
+            # Fixes act on what the rules see now, not on what hysteresis still holds. A standby only proposes them.
+            self.fixes.consider(raised, self.config.policy,  # only enqueues: jobs run on their own threads
+                                standby=self.standby_reason(renew=True))
             self.polls_total += 1
             self.last_poll_s = time.perf_counter() - started
             return diagnoses
@@ -307,6 +321,17 @@ class Supervisor:
         for problem in sorted(set(found) - set(state.data_problems)):
             log.warning("implausible metrics data", engine=state.name, problem=problem)
         state.data_problems = found
+
+    def standby_reason(self, renew: bool = False) -> str:
+        """Why this supervisor applies no fix now ("" when it does): another supervisor holds the fix lease, named
+        with its URL. `renew`: acquire or renew the lease first (each evaluation does)."""
+        lease = self.fix_lease
+        if lease is None or (lease.renew() if renew else lease.held()):
+            return ""
+        view = lease.view()
+        holder = (f"the fix lease holder {view.holder} at {view.holder_url}" if view.holder else
+                  f"whichever supervisor takes the fix lease next (none holds it now: {view.path})")
+        return f"this supervisor is the standby: fixes are applied by {holder}"
 
     def _target(self, engine: str) -> Target:
         state = self.engines[engine]

@@ -5,6 +5,9 @@
 $KVOPS_TOP_URL, else 127.0.0.1:9400) and starts processes only when asked to: `--start` runs a
 supervisor and engine for the session (`embedded`), `--demo` also a mixed workload (`demo`). With
 nothing answering and neither flag it says how to get a supervisor, and exits 2.
+
+`--prometheus URL [--selector '{...}']` shows the fleet instead: every engine of every supervisor that Prometheus
+scrapes, worst first (`fleet`), and opens a row's supervisor as `--attach` would.
 """
 
 from __future__ import annotations
@@ -48,9 +51,14 @@ def no_supervisor_message(url: str, why: str, source: str | None = None) -> str:
             "  kvops top --start          start a supervisor and engine for this session\n")
 
 
-def _conflict(attach: str | None, once: bool, as_json: bool, demo: bool, start: bool) -> str | None:
+def _conflict(attach: str | None, once: bool, as_json: bool, demo: bool, start: bool,
+              prometheus: str | None = None, selector: str | None = None) -> str | None:
     """Why these flags do not go together, or None."""
     starts = "--demo" if demo else "--start" if start else None
+    if prometheus and (attach or starts):
+        return f"--prometheus shows the fleet Prometheus scrapes; drop {'--attach' if attach else starts}"
+    if selector and not prometheus:
+        return "--selector picks engines of the fleet: give --prometheus URL too"
     if demo and start:
         return "--demo already starts a supervisor and engine; drop --start"
     if starts and attach:
@@ -61,16 +69,22 @@ def _conflict(attach: str | None, once: bool, as_json: bool, demo: bool, start: 
 
 
 def run_top(attach: str | None = None, once: bool = False, as_json: bool = False, admin_token: str | None = None,
-            interval_s: float = 1.0, demo: bool = False, start: bool = False) -> int:
-    """`kvops top [--attach URL] [--demo | --start] [--once] [--json] [--admin-token T]`; returns the exit status.
+            interval_s: float = 1.0, demo: bool = False, start: bool = False, prometheus: str | None = None,
+            selector: str | None = None) -> int:
+    """`kvops top [--attach URL | --prometheus URL [--selector S]] [--demo | --start] [--once] [--json]
+    [--admin-token T]`; returns the exit status.
 
     Nothing is started unless --demo or --start says so. The admin token falls back to
     $KVOPS_ADMIN_TOKEN (needed only to apply or revert fixes)."""
-    conflict = _conflict(attach, once, as_json, demo, start)
+    conflict = _conflict(attach, once, as_json, demo, start, prometheus, selector)
     if conflict is not None:
         print(f"kvops top: {conflict}", file=sys.stderr)
         return EXIT_USAGE
     admin_token = admin_token or os.environ.get(ADMIN_TOKEN_ENV)
+    if prometheus:
+        from kvops.top.fleet_run import run_fleet
+
+        return run_fleet(prometheus, selector, once, as_json, admin_token, interval_s, _run_app)
     url, source = (attach, None) if attach else default_url()
     if not (demo or start):
         why = probe(url)
@@ -101,12 +115,13 @@ def _print_once(url: str, as_json: bool, admin_token: str | None) -> int:
 
 
 def _run_app(url: str, admin_token: str | None, interval_s: float, starting: str | None = None,
-             embedded: EmbeddedSupervisor | None = None, demo: bool = False) -> int:
+             embedded: EmbeddedSupervisor | None = None, demo: bool = False, engine: str | None = None) -> int:
     from kvops.top.app import KvopsTop
 
     gone = embedded.exited if embedded is not None else None
     with SupervisorClient(url, admin_token=admin_token) as client:
         app = KvopsTop(client, interval_s=interval_s, starting=starting, gone=gone)
+        app.selected_engine = engine  # opened from the fleet on this engine; the first engine otherwise
         app.sub_title = ("demo: 4 tenants; the audit-log flood starts 20 s after the engine" if demo
                          else "embedded supervisor" if embedded is not None else client.url)
         app.run()
