@@ -7,6 +7,7 @@ on-demand profiles sit beside them. Rules read an `EngineHistory` and never chan
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import deque
 from collections.abc import Callable
@@ -46,12 +47,16 @@ class EngineHistory:
     crash_loop: bool = False  # set by the engine manager when it stopped restarting
     kv_profile: KVQuantProfile | None = None
     block_size_profile: BlockSizeProfile | None = None
+    # The kept snapshots and their times, oldest first, built once per change: the rules cut ~30 windows out of
+    # each engine's history per evaluation, and scanning it whole for each grew with the fleet (docs/benchmarks.md).
+    _sorted: tuple[list[float], list[Snapshot]] | None = field(default=None, repr=False, compare=False)
 
     # ----------------------------------------------------------- recording
 
     def add(self, snap: Snapshot) -> None:
         if self._recent and snap.time == self._recent[-1].time:
             return  # the same snapshot again: polled faster than the engine's /stats cache refreshes
+        self._sorted = None
         if len(self._recent) >= 2 and self._recent[-1].time - self._recent[-2].time < self.resolution_s:
             self._recent[-1] = snap  # the newest was too close to the one before: it was only the latest
             return
@@ -80,7 +85,15 @@ class EngineHistory:
     @property
     def snapshots(self) -> list[Snapshot]:
         """Every snapshot kept, oldest first."""
-        return [*self._older, *self._recent]
+        return list(self._kept()[1])
+
+    def _kept(self) -> tuple[list[float], list[Snapshot]]:
+        if self._sorted is None:
+            snaps = [*self._older, *self._recent]
+            if any(b.time < a.time for a, b in itertools.pairwise(snaps)):
+                snaps.sort(key=lambda s: s.time)  # an engine clock that stepped back: windows cut by time
+            self._sorted = ([s.time for s in snaps], snaps)
+        return self._sorted
 
     @property
     def latest(self) -> Snapshot | None:
@@ -99,7 +112,8 @@ class EngineHistory:
         if latest is None:
             return []
         end = latest.time if now is None else now
-        return [s for s in self.snapshots if end - seconds <= s.time <= end]
+        times, snaps = self._kept()
+        return snaps[bisect.bisect_left(times, end - seconds):bisect.bisect_right(times, end)]
 
     def series(self, getter: Getter, seconds: float) -> list[tuple[float, float]]:
         return [(s.time, float(getter(s))) for s in self.window(seconds)]
