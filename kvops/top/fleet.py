@@ -21,6 +21,7 @@ from textual.widgets import DataTable, Footer, Static
 from kvops.fleet.prometheus_api import PrometheusError
 from kvops.fleet.render import COLUMNS, cells, summary
 from kvops.fleet.view import Fleet, FleetEngine
+from kvops.top.widgets.common import RowTable
 
 STATUS_STYLE = {"supervisor down": "bold red", "engine down": "bold red", "critical": "red", "warning": "yellow",
                 "info": "cyan", "ok": "green"}
@@ -49,14 +50,15 @@ class FleetTop(App[tuple[str, str] | None]):
     def compose(self) -> ComposeResult:
         yield Static("", id="fleet-banner")
         yield Static("reading the fleet from Prometheus…", id="fleet-summary")
-        yield DataTable(id="fleet", cursor_type="row", zebra_stripes=True)
+        yield RowTable(id="fleet")
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one(DataTable).add_columns(*COLUMNS)
-        self.query_one(DataTable).focus()
+        table = self.query_one(RowTable)
+        table.add_columns(*COLUMNS)
+        table.focus()
         self.action_refresh()
-        self.query_one(DataTable).set_interval(self.interval_s, self.action_refresh)
+        table.set_interval(self.interval_s, self.action_refresh)
 
     def action_refresh(self) -> None:
         if not self.reading:
@@ -87,26 +89,20 @@ class FleetTop(App[tuple[str, str] | None]):
         self.lost = None
         self.query_one("#fleet-banner", Static).remove_class("lost")
         self.query_one("#fleet-summary", Static).update(summary(fleet))
-        table = self.query_one(DataTable)
-        current = self.selected_key() or self.selected
-        table.clear()
+        table = self.query_one(RowTable)
+        rows = []
         for engine in fleet.engines:
             row = list(cells(engine))
             row[2] = Text(row[2], style=STATUS_STYLE.get(engine.status, ""))
-            table.add_row(*row, key=row_key(engine))
-        keys = [row_key(e) for e in fleet.engines]
-        if current in keys:
-            table.move_cursor(row=keys.index(current), animate=False)
+            rows.append((row_key(engine), tuple(row)))
+        table.fill(rows)  # keeps the cursor on its row across refreshes
+        keys = [key for key, _ in rows]
+        if self.selected in keys:  # back from a supervisor: on the row that was opened
+            table.move_cursor(row=keys.index(self.selected), animate=False)
         self.selected = None
 
-    def selected_key(self) -> str | None:
-        table = self.query_one(DataTable)
-        if table.row_count == 0:
-            return None
-        return table.coordinate_to_cell_key((min(table.cursor_row, table.row_count - 1), 0)).row_key.value
-
     def selected_engine(self) -> FleetEngine | None:
-        key = self.selected_key()
+        key = self.query_one(RowTable).selected_key()
         if self.fleet is None or key is None:
             return None
         return next((e for e in self.fleet.engines if row_key(e) == key), None)
