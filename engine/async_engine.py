@@ -29,6 +29,7 @@ from kvops.engine.snapshot_cache import SnapshotCache
 log = structlog.get_logger("kvops.engine.loop")
 
 T = TypeVar("T")
+IDLE_POLL_S = 0.5  # an idle loop looks for commands (and idle work) this often
 
 
 @dataclass
@@ -173,8 +174,8 @@ class AsyncEngine:
                         self.snapshots.invalidate()  # before its client can see it finished
                     self._dispatch(outputs)
                     self.snapshots.refresh_if_polled()
-                else:
-                    self._wakeup.wait(0.5)
+                elif not self.engine.idle():  # idle work runs a slice at a time, requests first
+                    self._wakeup.wait(IDLE_POLL_S)
                     self._wakeup.clear()
         except BaseException as exc:  # the loop must never die silently: /health reports it
             self.error = exc

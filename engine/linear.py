@@ -14,8 +14,9 @@ pass) and served one stream at 17 tok/s, the start before 43 tok/s. So the start
 rounds, each backend's order alternating from round to round, and each number the median of the rounds.
 A busy spell longer than the measurement still moves the medians (measured here with two CPU burners
 through the start: oneDNN 976 against MKL's 50 ms a pass, where it is 37 against 42 quiet), so while
-serving `LinearDispatch` measures again (`RECHECK_ROUNDS` rounds, a slice between two steps): after a minute, then
-at doubling intervals up to an hour while the split holds, and sooner when the steps' own linear time (it
+serving `LinearDispatch` measures again (`RECHECK_ROUNDS` rounds, a slice at a time): after a minute, then
+at doubling intervals up to an hour while the split holds (in the engine's idle time on a quiet machine, or
+between steps when it has none for `IDLE_WAIT_S`), and sooner when the steps' own linear time (it
 times its calls at the probed row counts: two clock reads a call, ~15 µs a step of ~35 ms) departs from
 the measurement by more than `DRIFT`. Every measurement and every change is logged.
 
@@ -74,6 +75,10 @@ DRIFT = 0.3
 WATCH_STEPS = 16
 RECHECK_AFTER_S = 60.0
 RECHECK_MAX_S = 3600.0
+# A scheduled measurement waits up to IDLE_WAIT_S for the engine to be idle on a quiet machine (`idle()`), so no
+# request waits behind it (one stream's first request after the schedule came due: 3.2 s instead of 1.3 on the
+# 2-vCPU EPYC); an engine that is never idle has it between steps after that.
+IDLE_WAIT_S = 60.0
 
 
 def probe_rows_for(backends: dict[str, Linear] | list[str]) -> tuple[int, ...]:
@@ -266,8 +271,8 @@ class LinearDispatch:
             self._advance()
             return
         now = self._clock()
-        if now >= self._next_check:
-            self.recheck(f"scheduled, {now - self._last_check:.0f} s after the last measurement")
+        if now >= self._next_check + IDLE_WAIT_S:
+            self.recheck(f"scheduled, {now - self._last_check:.0f} s after the last measurement, not idle since")
             return
         watched = self._watched.get(m)
         if watched is None:
@@ -280,6 +285,23 @@ class LinearDispatch:
         observed = statistics.median(watched)
         if predicted and abs(observed / predicted - 1) > DRIFT:
             self.recheck(f"{m}-row steps took {observed:.1f} ms in linears, {predicted:.1f} ms measured ({backend})")
+
+    def wants_idle(self) -> bool:
+        """Whether `idle()` has anything to do: a measurement under way, or one due."""
+        return self._measuring is not None or self._clock() >= self._next_check
+
+    def idle(self, quiet: bool) -> bool:
+        """The engine has no request to run: one slice of a measurement under way, or the first of a scheduled
+        one when the machine is `quiet` (other processes keep no core busy: a measurement beside them would
+        time their work). True when a slice ran: the caller checks for requests, then calls again."""
+        if self._measuring is not None:
+            self._advance()
+            return True
+        now = self._clock()
+        if now < self._next_check or not quiet:
+            return False
+        self.recheck(f"scheduled, {now - self._last_check:.0f} s after the last measurement, while idle")
+        return True
 
     def recheck(self, why: str) -> None:
         """Start measuring the backends again (its first slice now, the rest after the next steps); the split

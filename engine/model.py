@@ -142,6 +142,11 @@ class LlamaModel:
         return self._dispatch.name if self._dispatch is not None else self._linear_name
 
     @property
+    def linear_dispatch(self) -> LinearDispatch | None:
+        """The matmul dispatch that measures its backends again while serving; None where one backend is fixed."""
+        return self._dispatch
+
+    @property
     def nbytes(self) -> int:
         """Bytes of every tensor the model keeps (weights and RoPE tables), a tied head counted once."""
         tensors = {id(t): t for t in (self.embed, self.norm, self.lm_head, self.cos, self.sin_signed)}

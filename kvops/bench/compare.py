@@ -25,6 +25,7 @@ import random
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,7 +216,9 @@ def machine() -> dict[str, Any]:
 
 
 def run(servers: list[Server], scale: float, rounds: int, seed: int, command: str = "kvops bench compare",
-        log: Any = None) -> dict[str, Any]:
+        log: Any = None, settle: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Every workload, `rounds` rounds, the servers' order alternating; `settle` (kvops/bench/settle.py), when
+    given, runs before each timed batch."""
     log = log or sys.stderr  # looked up per call: a caller may have replaced sys.stderr
     prompts = Prompts(seed)
     for server in servers:
@@ -229,6 +232,8 @@ def run(servers: list[Server], scale: float, rounds: int, seed: int, command: st
             order = servers if r % 2 == 0 else servers[::-1]
             orders.append([s.name for s in order])
             for server in order:
+                if settle is not None:
+                    settle()
                 tokens, seconds = asyncio.run(send_batch(server, batch, shape.max_tokens))
                 result = results[server.name]
                 result["tokens"] += tokens

