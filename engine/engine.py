@@ -268,8 +268,10 @@ class LLMEngine:
 
     def idle(self) -> bool:
         """Work for the step loop while no request waits: a slice of a due matmul measurement (engine/linear.py),
-        started only while other processes leave every core free. True when it ran one: check for requests,
-        then call again."""
+        run only while other processes leave every core free. True when it ran one: check for requests, then
+        call again. The thread count is kept right too, so a neighbour that got busy meanwhile is not found only
+        two readings into the next request."""
+        self.threads.tick()
         dispatch = self.model.linear_dispatch
         if dispatch is None or not dispatch.wants_idle():
             self._idle_reading = None

@@ -77,7 +77,7 @@ RECHECK_AFTER_S = 60.0
 RECHECK_MAX_S = 3600.0
 # A scheduled measurement waits up to IDLE_WAIT_S for the engine to be idle on a quiet machine (`idle()`), so no
 # request waits behind it (one stream's first request after the schedule came due: 3.2 s instead of 1.3 on the
-# 2-vCPU EPYC); an engine that is never idle has it between steps after that.
+# 2-vCPU EPYC) and no other process's work is in it; an engine never idle has it between steps after that.
 IDLE_WAIT_S = 60.0
 
 
@@ -228,6 +228,7 @@ class LinearDispatch:
         self.split = split_from(timings, self.probe_rows)
         self.rechecks = 0
         self.changes = 0
+        self.abandoned = 0  # measurements dropped in idle time because other processes got busy
         self._measure = measure or (lambda w: measuring(w, self.backends, RECHECK_ROUNDS))
         self._measuring: Measuring | None = None  # a measurement under way, and why it was started
         self._why = ""
@@ -292,9 +293,15 @@ class LinearDispatch:
 
     def idle(self, quiet: bool) -> bool:
         """The engine has no request to run: one slice of a measurement under way, or the first of a scheduled
-        one when the machine is `quiet` (other processes keep no core busy: a measurement beside them would
-        time their work). True when a slice ran: the caller checks for requests, then calls again."""
+        one, while the machine is `quiet` (other processes kept no core busy since the last call: a measurement
+        beside them would time their work, as one did beside a vLLM serving and chose F.linear at one row, where
+        quiet the compiled matmul is 2x faster). A measurement under way when others get busy is dropped; a due
+        one starts again when it is quiet. True when a slice ran: the caller checks for requests, then calls
+        again."""
         if self._measuring is not None:
+            if not quiet:
+                self._abandon()
+                return False
             self._advance()
             return True
         now = self._clock()
@@ -308,6 +315,13 @@ class LinearDispatch:
         they give is kept and logged, with the reason, when the measurement ends."""
         self._measuring, self._why = self._measure(self.weights), why
         self._advance()
+
+    def _abandon(self) -> None:
+        assert self._measuring is not None
+        self._measuring.close()
+        self._measuring = None
+        self.abandoned += 1
+        log.info("linear backends measurement dropped: other processes got busy", reason=self._why)
 
     def _advance(self) -> None:
         assert self._measuring is not None
