@@ -198,20 +198,41 @@ def warm_up(server: Server, prompt: list[int]) -> None:
 # ------------------------------------------------------------------------------------------- running
 
 
+# The features that decide fp32 and bf16 matmul speed on x86; a VM's model name can be only "AMD EPYC".
+CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_identity(cpuinfo: str) -> dict[str, Any]:
+    """The first processor of /proc/cpuinfo: model name, family/model/stepping (which name the generation where
+    the model name does not: AMD family 23 is Zen 1-2, 25 Zen 3-4), and which of CPU_FEATURES it has."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.split("\n\n", 1)[0].splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    return {"cpu": fields.get("model name") or platform.processor() or platform.machine(),
+            "cpu_id": " ".join(f"{k.split()[-1]} {fields[k]}" for k in ("cpu family", "model", "stepping")
+                               if k in fields) or None,
+            "cpu_features": [f for f in CPU_FEATURES if f in flags]}
+
+
+def describe_cpu(m: dict[str, Any]) -> str:
+    """A report's CPU in one phrase: "AMD EPYC (family 25 model 1 stepping 1; avx2, fma)"."""
+    if not m.get("cpu_id"):
+        return str(m["cpu"])  # a report from before cpu_id, or a machine without /proc/cpuinfo
+    return f"{m['cpu']} ({m['cpu_id']}; {', '.join(m.get('cpu_features') or ['no AVX2'])})"
+
+
 def machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        identity = cpu_identity(Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
+        identity = {"cpu": platform.processor() or platform.machine(), "cpu_id": None, "cpu_features": []}
     try:
         memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     except (ValueError, OSError, AttributeError):
         memory_gib = None
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": memory_gib, "platform": platform.platform(),
+    return {**identity, "cores": os.cpu_count(), "memory_gib": memory_gib, "platform": platform.platform(),
             "python": platform.python_version()}
 
 
@@ -274,7 +295,7 @@ def table(report: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     m = report["machine"]
     lines.append("")
-    lines.append(f"{report['date']}, {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; {report['rounds']} "
+    lines.append(f"{report['date']}, {describe_cpu(m)}, {m['cores']} cores, {m['memory_gib']} GiB; {report['rounds']} "
                  f"round(s) alternating the servers' order, scale {report['scale']:g}; greedy, ignore_eos.")
     for server in report["servers"]:
         eos = "" if server["ignore_eos"] else " (ignore_eos rejected: outputs may stop early)"

@@ -44,7 +44,18 @@ from typing import IO, Any
 import httpx
 
 from kvops import __version__
-from kvops.bench.compare import CompareError, Prompts, Server, discover, machine, run, send_batch, streamed, warm_up
+from kvops.bench.compare import (
+    CompareError,
+    Prompts,
+    Server,
+    describe_cpu,
+    discover,
+    machine,
+    run,
+    send_batch,
+    streamed,
+    warm_up,
+)
 from kvops.bench.settle import Settle
 from kvops.processes import NotReady, free_port, start_engine_server, wait_healthy
 
@@ -254,7 +265,8 @@ def table(report: dict[str, Any]) -> str:
                          f"({met}) |")
     m = report["machine"]
     lines.append("")
-    lines.append(f"{report['date']}, {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; `{report['command']}`")
+    lines.append(f"{report['date']}, {describe_cpu(m)}, {m['cores']} cores, {m['memory_gib']} GiB; "
+                 f"`{report['command']}`")
     return "\n".join(lines)
 
 
