@@ -269,9 +269,8 @@ class LLMEngine:
     def idle(self) -> bool:
         """Work for the step loop while no request waits: a slice of a due matmul measurement (engine/linear.py),
         run only while other processes leave every core free. True when it ran one: check for requests, then
-        call again. The thread count is kept right too, so a neighbour that got busy meanwhile is not found only
-        two readings into the next request."""
-        self.threads.tick()
+        call again. The thread count is not re-chosen here: beside a vLLM serving in turns it flipped to one
+        thread while idle and took two readings into the next request to come back (docs/engine.md)."""
         dispatch = self.model.linear_dispatch
         if dispatch is None or not dispatch.wants_idle():
             self._idle_reading = None

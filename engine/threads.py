@@ -80,7 +80,7 @@ def usable_cpus() -> int:
 
 
 class ThreadGovernor:
-    """Holds the engine's torch thread count; `tick()` between steps and in idle time keeps an auto count right."""
+    """Holds the engine's torch thread count; `tick()` between steps keeps an auto count right."""
 
     def __init__(self, setting: str | int, cpus: int | None = None,
                  read: Callable[[], CpuReading | None] = read_cpu,
@@ -101,7 +101,7 @@ class ThreadGovernor:
         return "auto" if self.fixed is None else "fixed"
 
     def tick(self) -> None:
-        """Call from the thread that runs the steps, before each step and while idle: cheap unless a check is due."""
+        """Call from the thread that runs the steps, before each step: cheap unless a check is due."""
         if not self._applied:
             self._apply(self.threads)
             self._applied = True
