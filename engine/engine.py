@@ -28,15 +28,13 @@ from kvops.engine.sequence import FinishReason, Sequence
 from kvops.engine.shadow_cache import ShadowPrefixCache
 from kvops.engine.snapshot_builder import build_snapshot
 from kvops.engine.stats import EngineStats
-from kvops.engine.threads import TAKEN_ABOVE, CpuReading, ThreadGovernor, others_busy_cpus, read_cpu
+from kvops.engine.threads import TAKEN_ABOVE, ThreadGovernor, read_cpu
 from kvops.engine.weights import load_model
 from kvops.kernels import AttentionMetadata, PrefillSpan
 from kvops.schema.errors import ConfigError
 from kvops.schema.snapshot import Snapshot, StepSample
 
 log = structlog.get_logger("kvops.engine")
-
-QUIET_READINGS_WITHIN_S = 2.0  # two CPU readings further apart describe an older moment than now
 
 
 @dataclass
@@ -108,7 +106,6 @@ class LLMEngine:
         self._ids = itertools.count()
         torch.manual_seed(config.seed)
         self.threads = ThreadGovernor(config.threads)
-        self._idle_reading: CpuReading | None = None  # the last CPU reading of the loop's idle time
         log.info(self.capacity.describe(), model=self.model_name, device=str(self.device), dtype=self.dtype_name,
                  kernels=self.kernel_backend, linear=self.model.linear_backend, compile=self.compiled.state,
                  compile_s=self.compiled.seconds, pool_bytes=self.kv_pool.allocated_bytes,
@@ -267,19 +264,15 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def idle(self) -> bool:
-        """Work for the step loop while no request waits: a slice of a due matmul measurement (engine/linear.py),
-        run only while other processes leave every core free. True when it ran one: check for requests, then
-        call again. The thread count is not re-chosen here: beside a vLLM serving in turns it flipped to one
-        thread while idle and took two readings into the next request to come back (docs/engine.md)."""
+        """Work for the step loop while no request waits. It reads the CPU for the thread count of the next
+        request's first step (engine/threads.py), and runs a slice of a due matmul measurement (engine/linear.py)
+        only while other processes leave every core free. True when it ran one: check for requests, then call
+        again."""
+        others_busy = self.threads.idle(read_cpu())
         dispatch = self.model.linear_dispatch
         if dispatch is None or not dispatch.wants_idle():
-            self._idle_reading = None
             return False
-        before, self._idle_reading = self._idle_reading, read_cpu()
-        after = self._idle_reading
-        quiet = (before is not None and after is not None and 0 < after.t - before.t <= QUIET_READINGS_WITHIN_S
-                 and others_busy_cpus(before, after) < TAKEN_ABOVE)
-        return dispatch.idle(quiet)
+        return dispatch.idle(others_busy is not None and others_busy < TAKEN_ABOVE)
 
     # ----------------------------------------------------------------- step
 

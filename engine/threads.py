@@ -10,9 +10,11 @@ are taken.
 `--threads auto` (the default) starts with one thread per CPU this process may run on. About once a
 second it counts the CPUs that *other* processes kept busy (all CPU time in /proc/stat minus this
 process's own) and uses the CPUs left, at least one; a core more than half busy elsewhere counts as
-taken. A change needs two readings in a row that agree, so a short burst elsewhere does not flip it
-back and forth. `--threads N` fixes the count. On CUDA the forward pass runs on the device; the
-count still applies to the CPU work around it.
+taken. While serving, a change needs two readings in a row that agree, so a short burst elsewhere does
+not flip it back and forth. The first step after an idle spell instead takes the count from the last
+half second or so before it, read in idle time: a neighbour that got busy (or quiet) while the engine
+waited would otherwise cost the request its first two seconds. `--threads N` fixes the count. On
+CUDA the forward pass runs on the device; the count still applies to the CPU work around it.
 
 The count is set from the thread that runs the steps: OpenMP keeps it per calling thread.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,6 +40,9 @@ CHECK_EVERY_S = 1.0
 TAKEN_ABOVE = 0.5  # a core busier than this with other processes' work counts as taken
 AGREEING_READINGS = 2
 STALE_AFTER = 3  # readings further apart than this many check intervals are not compared
+BEFORE_REQUEST_S = 0.25  # the shortest idle window that decides the first step's count on its own
+IDLE_READINGS_KEPT = 8
+IDLE_READINGS_APART_S = 0.1  # idle work calls back at once between its slices: readings closer than this say little
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +101,7 @@ class ThreadGovernor:
         self._applied = False
         self._last: CpuReading | None = None
         self._proposed: list[int] = []
+        self._idle: deque[CpuReading] = deque(maxlen=IDLE_READINGS_KEPT)  # since the last step's reading
 
     @property
     def mode(self) -> str:
@@ -107,27 +114,65 @@ class ThreadGovernor:
             self._applied = True
         if self.fixed is not None:
             return
-        if self._last is not None and time.monotonic() - self._last.t < self._every:
+        first_after_idle = bool(self._idle)
+        if self._last is not None and time.monotonic() - self._last.t < self._every and not first_after_idle:
             return
         self.observe(self._read())
 
+    def idle(self, reading: CpuReading | None) -> float | None:
+        """A reading taken while the engine has no work, kept for the first step after. Returns what other
+        processes kept busy since the previous idle reading (CPUs), or None where there is no such reading
+        within STALE_AFTER intervals."""
+        if reading is None:
+            return None
+        before = self._idle[-1] if self._idle else None
+        if before is None or reading.t - before.t >= IDLE_READINGS_APART_S:
+            self._idle.append(reading)
+        if before is None or not 0 < reading.t - before.t <= STALE_AFTER * self._every:
+            return None
+        return others_busy_cpus(before, reading)
+
     def observe(self, reading: CpuReading | None) -> None:
-        """One reading: a new count once AGREEING_READINGS in a row ask for the same one."""
+        """One reading: a new count once AGREEING_READINGS in a row ask for the same one; the first after idle
+        time decides alone, from the idle window just before it."""
         if reading is None:
             return
         before, self._last = self._last, reading
+        window = self._before_request(reading)
+        self._idle.clear()
+        if window is not None:
+            # The engine was idle until now and has no work of its own in this window: it is a clean view of
+            # what others do right now, which is what the request about to run shares the cores with.
+            self.others_busy = others_busy_cpus(window, reading)
+            wanted = choose_threads(self.cpus, self.others_busy)
+            self._proposed = [wanted]
+            self._change(wanted, before_request=True)
+            return
         if before is None or reading.t - before.t > STALE_AFTER * self._every:
-            # The engine sat idle: an average over that gap says what others did while nothing here needed
-            # the cores, not what they do now. Start afresh from this reading.
+            # The engine sat idle, with no idle readings: an average over that gap says what others did while
+            # nothing here needed the cores, not what they do now. Start afresh from this reading.
             self._proposed = []
             return
         self.others_busy = others_busy_cpus(before, reading)
         wanted = choose_threads(self.cpus, self.others_busy)
         self._proposed = [*self._proposed, wanted][-AGREEING_READINGS:]
-        if wanted == self.threads or len(self._proposed) < AGREEING_READINGS or len(set(self._proposed)) > 1:
+        if len(self._proposed) < AGREEING_READINGS or len(set(self._proposed)) > 1:
+            return
+        self._change(wanted, before_request=False)
+
+    def _before_request(self, reading: CpuReading) -> CpuReading | None:
+        """The newest idle reading at least BEFORE_REQUEST_S before `reading` and within STALE_AFTER intervals."""
+        for earlier in reversed(self._idle):
+            age = reading.t - earlier.t
+            if BEFORE_REQUEST_S <= age <= STALE_AFTER * self._every:
+                return earlier
+        return None
+
+    def _change(self, wanted: int, before_request: bool) -> None:
+        if wanted == self.threads:
             return
         log.info("torch threads changed", threads=wanted, was=self.threads, cpus=self.cpus,
-                 others_busy_cpus=round(self.others_busy, 2))
+                 others_busy_cpus=round(self.others_busy, 2), before_request=before_request)
         self.threads = wanted
         self.changes += 1
         self._apply(wanted)
