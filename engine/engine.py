@@ -266,13 +266,16 @@ class LLMEngine:
     def idle(self) -> bool:
         """Work for the step loop while no request waits. It reads the CPU for the thread count of the next
         request's first step (engine/threads.py), and runs a slice of a due matmul measurement (engine/linear.py)
-        only while other processes leave every core free. True when it ran one: check for requests, then call
-        again."""
+        only while other processes leave every core free and the engine uses them all. True when it ran one:
+        check for requests, then call again."""
         others_busy = self.threads.idle(read_cpu())
         dispatch = self.model.linear_dispatch
         if dispatch is None or not dispatch.wants_idle():
             return False
-        return dispatch.idle(others_busy is not None and others_busy < TAKEN_ABOVE)
+        # At a count lowered for a busy neighbour now gone, the timings would be of a count the next request,
+        # which takes the cores back, does not run at: they wait for a request to restore it.
+        full = self.threads.fixed is not None or self.threads.threads == self.threads.cpus
+        return dispatch.idle(full and others_busy is not None and others_busy < TAKEN_ABOVE)
 
     # ----------------------------------------------------------------- step
 

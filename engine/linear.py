@@ -20,6 +20,12 @@ between steps when it has none for `IDLE_WAIT_S`), and sooner when the steps' ow
 times its calls at the probed row counts: two clock reads a call, ~15 µs a step of ~35 ms) departs from
 the measurement by more than `DRIFT`. Every measurement and every change is logged.
 
+A measurement holds for the torch thread count it was taken at (engine/threads.py changes it while others
+keep a core busy): a step at another count is not drift, and compared with it once made a 1-thread step
+beside a busy process look 43% slow and re-measured the backends inside a request (one stream's round 14
+instead of 31 tok/s). The dispatch keeps the split of each count it has measured and takes it back up when
+the count comes back.
+
 Where the engine runs the compiled step (engine/compiled.py) in fp32, its matmul is a third backend, measured
 in the same interleaved rounds up to `COMPILED_PROBE_ROWS` and watched the same way: a start measured in a busy
 spell had left it unused for the engine's life (one stream at 21 instead of 28 tok/s), since only the other
@@ -220,15 +226,20 @@ class LinearDispatch:
 
     def __init__(self, weights: list[torch.Tensor], backends: dict[str, Linear], timings: Timings,
                  measure: Callable[[list[torch.Tensor]], Measuring] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 threads: Callable[[], int] = torch.get_num_threads) -> None:
         self.weights = weights
         self.backends = backends
         self.probe_rows = probe_rows_for(backends)
         self.timings = timings
         self.split = split_from(timings, self.probe_rows)
+        self._threads = threads
+        self.threads = threads()  # the count `timings` were measured at
+        self._by_threads: dict[int, tuple[Split, Timings]] = {self.threads: (self.split, timings)}
+        self._stepped_at = self.threads  # the count the watched steps ran at
         self.rechecks = 0
         self.changes = 0
-        self.abandoned = 0  # measurements dropped in idle time because other processes got busy
+        self.abandoned = 0  # measurements dropped: other processes got busy in idle time, or the thread count changed
         self._measure = measure or (lambda w: measuring(w, self.backends, RECHECK_ROUNDS))
         self._measuring: Measuring | None = None  # a measurement under way, and why it was started
         self._why = ""
@@ -268,6 +279,9 @@ class LinearDispatch:
         measured again when it is time, or when the watch departs from the measurement."""
         m, spent = self._step_rows, self._spent
         self._step_rows, self._spent = 0, 0.0
+        threads = self._threads()
+        if threads != self._stepped_at:
+            self._threads_changed(threads)
         if self._measuring is not None:
             self._advance()
             return
@@ -276,7 +290,7 @@ class LinearDispatch:
             self.recheck(f"scheduled, {now - self._last_check:.0f} s after the last measurement, not idle since")
             return
         watched = self._watched.get(m)
-        if watched is None:
+        if watched is None or threads != self.threads:  # measured at another count: no prediction for this one
             return
         watched.append(spent * 1000)
         if len(watched) < WATCH_STEPS or now < self._last_check + RECHECK_AFTER_S:
@@ -300,7 +314,7 @@ class LinearDispatch:
         again."""
         if self._measuring is not None:
             if not quiet:
-                self._abandon()
+                self._abandon("other processes got busy")
                 return False
             self._advance()
             return True
@@ -310,18 +324,36 @@ class LinearDispatch:
         self.recheck(f"scheduled, {now - self._last_check:.0f} s after the last measurement, while idle")
         return True
 
+    def _threads_changed(self, threads: int) -> None:
+        """The steps run at a new torch thread count: its own split where one was measured at it, and a watch
+        that starts afresh."""
+        self._stepped_at = threads
+        for watched in self._watched.values():
+            watched.clear()
+        if self._measuring is not None:  # its slices would mix two counts
+            self._abandon("the torch thread count changed")
+        known = self._by_threads.get(threads)
+        if known is None or threads == self.threads:
+            return
+        before = self.split
+        (self.split, self.timings), self.threads = known, threads
+        if self.split != before:
+            self.changes += 1
+            log.info("linear backend changed with the thread count", threads=threads, before=before.name,
+                     after=self.name, ms_per_pass=self.timings)
+
     def recheck(self, why: str) -> None:
         """Start measuring the backends again (its first slice now, the rest after the next steps); the split
         they give is kept and logged, with the reason, when the measurement ends."""
         self._measuring, self._why = self._measure(self.weights), why
         self._advance()
 
-    def _abandon(self) -> None:
+    def _abandon(self, cause: str) -> None:
         assert self._measuring is not None
         self._measuring.close()
         self._measuring = None
         self.abandoned += 1
-        log.info("linear backends measurement dropped: other processes got busy", reason=self._why)
+        log.info(f"linear backends measurement dropped: {cause}", reason=self._why)
 
     def _advance(self) -> None:
         assert self._measuring is not None
@@ -333,7 +365,8 @@ class LinearDispatch:
 
     def _measured(self, split: Split, timings: Timings) -> None:
         before, before_timings = self.split, self.timings
-        self.split, self.timings = split, timings
+        self.split, self.timings, self.threads = split, timings, self._threads()
+        self._by_threads[self.threads] = (split, timings)
         self.rechecks += 1
         for watched in self._watched.values():
             watched.clear()
@@ -344,6 +377,6 @@ class LinearDispatch:
         self._last_check = self._clock()
         self._next_check = self._last_check + self._recheck_after_s
         log.info("linear backends measured again", reason=self._why, split=self.name, ms_per_pass=self.timings,
-                 before_ms_per_pass=before_timings, next_check_s=self._recheck_after_s)
+                 threads=self.threads, before_ms_per_pass=before_timings, next_check_s=self._recheck_after_s)
         if changed:
             log.warning("linear backend changed", before=before.name, after=self.name, reason=self._why)

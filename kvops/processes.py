@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import IO
 
+import psutil
+
 PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
@@ -28,6 +30,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """A process and all its descendants now (vLLM's API server and its engine core); [] for one that is gone.
+    A member can still exit while the caller reads it: catch psutil.Error per member."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
 
 
 class NotReady(RuntimeError):

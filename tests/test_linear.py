@@ -353,3 +353,54 @@ def test_the_serving_loop_measures_a_due_split_while_idle_and_only_on_a_quiet_ma
         assert dispatch.rechecks == rechecks + 1 and not dispatch.wants_idle()
     finally:
         loop.stop()
+
+
+def test_a_step_at_another_thread_count_is_not_drift_and_each_count_keeps_its_own_split(monkeypatch):
+    # Seen in a busy-core benchmark: the engine dropped to one thread beside a burner, its 1-row steps took 29.6 ms
+    # in linears against 20.7 measured at two, and the "drift" re-measured the backends inside a request (one
+    # stream's round at 14 instead of 31 tok/s).
+    fake = FakeBackends(monkeypatch, {"torch": 30.0, "onednn": 20.0})
+    threads = [2]
+    clock = [0.0]
+    measured_at_one = {"torch": [25.0, 40.0, 60.0], "onednn": [35.0, 45.0, 50.0]}
+    measures: list[int] = []
+
+    def measure(weights):
+        measures.append(threads[0])
+        return linear.split_from(measured_at_one), measured_at_one
+        yield
+
+    two = {"torch": [30.0, 60.0, 90.0], "onednn": [20.0, 30.0, 40.0]}
+    dispatch = linear.LinearDispatch([torch.zeros(8, 4)], fake.backends, two, measure=measure,
+                                     clock=lambda: clock[0], threads=lambda: threads[0])
+    assert dispatch.threads == 2 and dispatch.split == linear.Split(0, 0)
+    clock[0] = linear.RECHECK_AFTER_S / 2
+    fake.ms["onednn"] = 32.0  # at one thread: 64 ms a 2-call step against 40 measured at two
+    threads[0] = 1
+    clock[0] = linear.RECHECK_AFTER_S + 1
+    _steps(dispatch, 1, n=3 * linear.WATCH_STEPS)
+    assert measures == [] and dispatch.rechecks == 0  # not drift: nothing was measured at one thread
+    clock[0] = linear.RECHECK_AFTER_S + linear.IDLE_WAIT_S + 1  # due and never idle: measured at one thread
+    _steps(dispatch, 1, n=1)
+    assert measures == [1] and dispatch.threads == 1 and dispatch.split == linear.Split(0, 2)
+    threads[0] = 2  # the neighbour left: two's own split back, without measuring
+    fake.calls.clear()
+    _steps(dispatch, 1, n=2)
+    assert fake.calls[-1] == ("onednn", 1) and dispatch.threads == 2 and dispatch.timings == two
+    assert measures == [1] and dispatch.changes == 2
+    threads[0] = 1
+    _steps(dispatch, 1, n=2)  # the first step at a new count runs on the split of the one before
+    assert dispatch.threads == 1 and dispatch.timings == measured_at_one and fake.calls[-1] == ("torch", 1)
+
+
+def test_a_measurement_under_way_when_the_thread_count_changes_is_dropped(monkeypatch):
+    fake = FakeBackends(monkeypatch, {"torch": 30.0, "onednn": 20.0, "compiled": 10.0})
+    timings = {"torch": [30.0, 60.0, 90.0, None, None], "onednn": [20.0] * 5, "compiled": [10.0] * 5}
+    threads = [2]
+    dispatch = linear.LinearDispatch([torch.zeros(8, 4)], fake.backends, timings, clock=lambda: 0.0,
+                                     threads=lambda: threads[0])
+    dispatch.recheck("a test")
+    _steps(dispatch, 1, n=2, calls=1)
+    threads[0] = 1
+    _steps(dispatch, 1, n=1, calls=1)
+    assert dispatch.abandoned == 1 and not dispatch.wants_idle() and dispatch.rechecks == 0

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from kvops.processes import process_tree
+
 IDLE_BELOW = 0.2  # CPUs' worth of work in the servers' trees over a window that counts as idle
 WINDOW_S = 0.25
 IDLE_WINDOWS = 2  # in a row
@@ -24,13 +26,8 @@ MAX_WAIT_S = 15.0  # then time it anyway, and count it
 def tree_cpu_s(pid: int) -> float:
     """CPU-seconds (user + system) of a process and its descendants now, with the children each has reaped (so
     a worker that exits does not take its time out of the sum); 0 for a tree that is gone."""
-    try:
-        root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return 0.0
     total = 0.0
-    for process in processes:
+    for process in process_tree(pid):
         try:
             times = process.cpu_times()
         except psutil.Error:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from kvops.processes import process_tree
 from kvops.vllm.install import neutral_cwd
 
 
@@ -216,13 +217,8 @@ def process_tree_rss(pid: int) -> int:
     """Resident bytes of a process and all its descendants (vLLM's API server plus its engine core)."""
     import psutil
 
-    try:
-        root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
     total = 0
-    for proc in processes:
-        with contextlib.suppress(psutil.NoSuchProcess):
+    for proc in process_tree(pid):
+        with contextlib.suppress(psutil.Error):
             total += proc.memory_info().rss
     return total
