@@ -20,6 +20,7 @@ from kvops.engine.config import EngineConfig
 from kvops.engine.device import activation_headroom, default_dtype, plan_gpu_kv_budget, resolve_device
 from kvops.engine.errors import InvalidRequestError
 from kvops.engine.kv_pool import allocate_kv_pool
+from kvops.engine.linear import QUIET_BELOW_CPUS
 from kvops.engine.model import LlamaModel
 from kvops.engine.normalize import NormalizationMode, normalize_messages, normalize_prompt
 from kvops.engine.sampling import SamplingParams, sample
@@ -28,7 +29,7 @@ from kvops.engine.sequence import FinishReason, Sequence
 from kvops.engine.shadow_cache import ShadowPrefixCache
 from kvops.engine.snapshot_builder import build_snapshot
 from kvops.engine.stats import EngineStats
-from kvops.engine.threads import TAKEN_ABOVE, ThreadGovernor, read_cpu
+from kvops.engine.threads import ThreadGovernor, read_cpu
 from kvops.engine.weights import load_model
 from kvops.kernels import AttentionMetadata, PrefillSpan
 from kvops.schema.errors import ConfigError
@@ -275,7 +276,7 @@ class LLMEngine:
         # At a count lowered for a busy neighbour now gone, the timings would be of a count the next request,
         # which takes the cores back, does not run at: they wait for a request to restore it.
         full = self.threads.fixed is not None or self.threads.threads == self.threads.cpus
-        return dispatch.idle(full and others_busy is not None and others_busy < TAKEN_ABOVE)
+        return dispatch.idle(full and others_busy is not None and others_busy < QUIET_BELOW_CPUS)
 
     # ----------------------------------------------------------------- step
 

@@ -85,6 +85,11 @@ RECHECK_MAX_S = 3600.0
 # request waits behind it (one stream's first request after the schedule came due: 3.2 s instead of 1.3 on the
 # 2-vCPU EPYC) and no other process's work is in it; an engine never idle has it between steps after that.
 IDLE_WAIT_S = 60.0
+# Quiet enough to measure in: other processes' work below this many CPUs. Stricter than a core taken
+# (engine/threads.py): one ran beside two vLLMs settling after their start, under half a core between readings,
+# and timed every backend ~1.5x slow (oneDNN at 16 rows: 70 against 49 ms), which the drift then re-measured
+# inside a request.
+QUIET_BELOW_CPUS = 0.2
 
 
 def probe_rows_for(backends: dict[str, Linear] | list[str]) -> tuple[int, ...]:
