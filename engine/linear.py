@@ -15,10 +15,12 @@ rounds, each backend's order alternating from round to round, and each number th
 A busy spell longer than the measurement still moves the medians (measured here with two CPU burners
 through the start: oneDNN 976 against MKL's 50 ms a pass, where it is 37 against 42 quiet), so while
 serving `LinearDispatch` measures again (`RECHECK_ROUNDS` rounds, a slice at a time): after a minute, then
-at doubling intervals up to an hour while the split holds (in the engine's idle time on a quiet machine, or
-between steps when it has none for `IDLE_WAIT_S`), and sooner when the steps' own linear time (it
+at doubling intervals up to an hour while the split holds, and sooner when the steps' own linear time (it
 times its calls at the probed row counts: two clock reads a call, ~15 µs a step of ~35 ms) departs from
-the measurement by more than `DRIFT`. Every measurement and every change is logged.
+the measurement by more than `DRIFT`. Either runs in the engine's idle time on a quiet machine, or between
+steps when it has none for `IDLE_WAIT_S`. A split that differs from the one in use is measured once more
+before it is used: three rounds in a noisy moment once timed the compiled matmul at twice its time and
+sent one row to oneDNN. Every measurement and every change is logged.
 
 A measurement holds for the torch thread count it was taken at (engine/threads.py changes it while others
 keep a core busy): a step at another count is not drift, and compared with it once made a 1-thread step
@@ -248,6 +250,8 @@ class LinearDispatch:
         self._measure = measure or (lambda w: measuring(w, self.backends, RECHECK_ROUNDS))
         self._measuring: Measuring | None = None  # a measurement under way, and why it was started
         self._why = ""
+        self._due_why: str | None = None  # why a measurement is due before its schedule (drift, a confirmation)
+        self._pending: Split | None = None  # a new split measured once, to be measured again before it is used
         self._clock = clock
         self._recheck_after_s = RECHECK_AFTER_S
         self._last_check = clock()
@@ -292,7 +296,9 @@ class LinearDispatch:
             return
         now = self._clock()
         if now >= self._next_check + IDLE_WAIT_S:
-            self.recheck(f"scheduled, {now - self._last_check:.0f} s after the last measurement, not idle since")
+            self.recheck(self._reason(now, "not idle since"))
+            return
+        if now >= self._next_check:  # due already: no need to watch for drift
             return
         watched = self._watched.get(m)
         if watched is None or threads != self.threads:  # measured at another count: no prediction for this one
@@ -304,7 +310,15 @@ class LinearDispatch:
         predicted = self.timings[backend][self.probe_rows.index(m)]
         observed = statistics.median(watched)
         if predicted and abs(observed / predicted - 1) > DRIFT:
-            self.recheck(f"{m}-row steps took {observed:.1f} ms in linears, {predicted:.1f} ms measured ({backend})")
+            self._make_due(f"{m}-row steps took {observed:.1f} ms in linears, {predicted:.1f} ms measured ({backend})")
+
+    def _make_due(self, why: str) -> None:
+        """Due now, before the schedule: measured in idle time on a quiet machine like a scheduled one (a drift
+        measured between steps at once cost a request ~3 s), between steps IDLE_WAIT_S later if never idle."""
+        self._next_check, self._due_why = min(self._next_check, self._clock()), why
+
+    def _reason(self, now: float, where: str) -> str:
+        return f"{self._due_why or 'scheduled'}, {now - self._last_check:.0f} s after the last measurement, {where}"
 
     def wants_idle(self) -> bool:
         """Whether `idle()` has anything to do: a measurement under way, or one due."""
@@ -326,13 +340,14 @@ class LinearDispatch:
         now = self._clock()
         if now < self._next_check or not quiet:
             return False
-        self.recheck(f"scheduled, {now - self._last_check:.0f} s after the last measurement, while idle")
+        self.recheck(self._reason(now, "while idle"))
         return True
 
     def _threads_changed(self, threads: int) -> None:
         """The steps run at a new torch thread count: its own split where one was measured at it, and a watch
         that starts afresh."""
         self._stepped_at = threads
+        self._pending = None  # a confirmation is of the same count
         for watched in self._watched.values():
             watched.clear()
         if self._measuring is not None:  # its slices would mix two counts
@@ -369,17 +384,27 @@ class LinearDispatch:
             self._measured(*done.value)
 
     def _measured(self, split: Split, timings: Timings) -> None:
+        self.rechecks += 1
+        self._due_why = None
+        self._last_check = self._clock()
+        for watched in self._watched.values():
+            watched.clear()
+        if split != self.split and split != self._pending:
+            # One 3-round measurement in a noisy moment flipped the split (the compiled matmul timed at 36 for 18 ms
+            # a pass at one row, and oneDNN chosen there): a new split is used once a second measurement agrees.
+            self._pending = split
+            self._make_due(f"confirming {split.name}")
+            log.info("linear backends measured again: a new split, to be confirmed", reason=self._why,
+                     split=self.name, new_split=split.name, ms_per_pass=timings, threads=self._threads())
+            return
+        self._pending = None
         before, before_timings = self.split, self.timings
         self.split, self.timings, self.threads = split, timings, self._threads()
         self._by_threads[self.threads] = (split, timings)
-        self.rechecks += 1
-        for watched in self._watched.values():
-            watched.clear()
         changed = self.split != before
         self.changes += changed
         # A split confirmed: look again later; a changed one: the machine is changing, look again soon.
         self._recheck_after_s = RECHECK_AFTER_S if changed else min(2 * self._recheck_after_s, RECHECK_MAX_S)
-        self._last_check = self._clock()
         self._next_check = self._last_check + self._recheck_after_s
         log.info("linear backends measured again", reason=self._why, split=self.name, ms_per_pass=self.timings,
                  threads=self.threads, before_ms_per_pass=before_timings, next_check_s=self._recheck_after_s)

@@ -174,7 +174,10 @@ def test_a_start_measured_under_load_is_measured_again_after_a_minute_and_the_sp
     assert measures == []  # due, but a scheduled measurement waits for idle time first
     clock[0] = linear.RECHECK_AFTER_S + linear.IDLE_WAIT_S + 1  # never idle: between steps then
     _steps(dispatch, 1, n=1)
-    assert measures == [1] and dispatch.split.torch_rows == 0 and dispatch.name == "onednn" and dispatch.changes == 1
+    assert measures == [1] and dispatch.split.torch_rows == 1 and dispatch.changes == 0  # a new split, unconfirmed
+    assert dispatch.wants_idle() and dispatch.idle(quiet=True)  # measured once more, in idle time: it agrees
+    assert measures == [1, 1] and dispatch.split.torch_rows == 0 and dispatch.name == "onednn"
+    assert dispatch.changes == 1 and not dispatch.wants_idle()
     fake.calls.clear()
     _steps(dispatch, 1, n=1)
     assert fake.calls == [("onednn", 1), ("onednn", 1)]  # one row goes to oneDNN now
@@ -198,7 +201,9 @@ def test_drift_measures_again_sooner_and_a_confirmed_split_waits_twice_as_long(m
     assert measures == [1]  # within a minute of the last
     clock[0] = 185.0
     _steps(dispatch, 1)
-    assert measures == [1, 1] and dispatch.rechecks == 2  # the drift, at once, before the schedule's 241
+    assert measures == [1] and dispatch.wants_idle()  # the drift: due at once, before the schedule's 241
+    assert dispatch.idle(quiet=True)  # measured in idle time, not inside a request
+    assert measures == [1, 1] and dispatch.rechecks == 2
     # Prefill steps (many rows, then the head at one row) and 3-row steps (not probed) are never watched.
     clock[0] = 190.0
     for _ in range(linear.WATCH_STEPS):
@@ -229,7 +234,10 @@ def test_a_compiled_matmul_measured_out_in_a_busy_spell_is_taken_when_measured_a
     assert fake.calls == [("torch", 1), ("torch", 1)]
     clock[0] = linear.RECHECK_AFTER_S + linear.IDLE_WAIT_S + 1
     _steps(dispatch, 8, n=1)
-    assert measures == [1] and dispatch.split == linear.Split(16, 0) and dispatch.changes == 1
+    assert measures == [1] and dispatch.split == linear.Split(0, 1)  # to be confirmed
+    clock[0] += linear.IDLE_WAIT_S  # never idle: the confirmation between steps too
+    _steps(dispatch, 8, n=1)
+    assert measures == [1, 1] and dispatch.split == linear.Split(16, 0) and dispatch.changes == 1
     fake.calls.clear()
     for rows in (1, 8, 16, 17):
         _steps(dispatch, rows, n=1, calls=1)
@@ -241,11 +249,14 @@ def test_the_compiled_matmuls_steps_are_watched_against_its_own_measurement(monk
     quiet = {"torch": [50.6, 85.2, 128.5, None, None], "onednn": [43.1, 72.3, 73.3, 77.7, 99.2],
              "compiled": [30.1, 34.4, 38.8, 52.2, 86.8]}
     dispatch, clock, measures = _dispatch(quiet, quiet, fake.backends)
-    clock[0] = 70.0
-    _steps(dispatch, 16)
-    assert measures == [1]  # 30 against 86.8 ms measured at 16 rows: drift, measured again
+    clock[0] = 61.0
+    assert dispatch.idle(quiet=True) and measures == [1]  # scheduled: the split holds, next in 120 s
+    clock[0] = 130.0
     _steps(dispatch, 32)
-    assert measures == [1]  # above the probed rows: never watched
+    assert not dispatch.wants_idle()  # above the probed rows: never watched
+    _steps(dispatch, 16)
+    assert measures == [1] and dispatch.wants_idle()  # 30 against 86.8 ms measured at 16 rows: drift, due
+    assert dispatch.idle(quiet=True) and measures == [1, 1]
 
 
 def test_measure_times_f_linear_only_up_to_its_probe_rows(monkeypatch):
@@ -270,7 +281,10 @@ def test_a_measurement_while_serving_runs_a_slice_between_two_steps(monkeypatch)
         fake.calls.clear()
         _steps(dispatch, 1, n=1, calls=1)
         assert fake.calls[0] == ("torch", 1) and len(fake.calls) in (3, 4), (step, fake.calls)
-    assert dispatch.split == linear.Split(16, 0) and dispatch.rechecks == 1 and dispatch.changes == 1
+    assert dispatch.split == linear.Split(0, 1) and dispatch.rechecks == 1 and dispatch.changes == 0
+    while dispatch.idle(quiet=True):  # the new split measured once more, in idle time, before it is used
+        pass
+    assert dispatch.split == linear.Split(16, 0) and dispatch.rechecks == 2 and dispatch.changes == 1
     fake.calls.clear()
     _steps(dispatch, 1, n=1, calls=1)
     assert fake.calls == [("compiled", 1)]  # measured: nothing more runs between steps
@@ -382,12 +396,13 @@ def test_a_step_at_another_thread_count_is_not_drift_and_each_count_keeps_its_ow
     assert measures == [] and dispatch.rechecks == 0  # not drift: nothing was measured at one thread
     clock[0] = linear.RECHECK_AFTER_S + linear.IDLE_WAIT_S + 1  # due and never idle: measured at one thread
     _steps(dispatch, 1, n=1)
-    assert measures == [1] and dispatch.threads == 1 and dispatch.split == linear.Split(0, 2)
+    assert dispatch.idle(quiet=True)  # and confirmed
+    assert measures == [1, 1] and dispatch.threads == 1 and dispatch.split == linear.Split(0, 2)
     threads[0] = 2  # the neighbour left: two's own split back, without measuring
     fake.calls.clear()
     _steps(dispatch, 1, n=2)
     assert fake.calls[-1] == ("onednn", 1) and dispatch.threads == 2 and dispatch.timings == two
-    assert measures == [1] and dispatch.changes == 2
+    assert measures == [1, 1] and dispatch.changes == 2
     threads[0] = 1
     _steps(dispatch, 1, n=2)  # the first step at a new count runs on the split of the one before
     assert dispatch.threads == 1 and dispatch.timings == measured_at_one and fake.calls[-1] == ("torch", 1)
@@ -404,3 +419,29 @@ def test_a_measurement_under_way_when_the_thread_count_changes_is_dropped(monkey
     threads[0] = 1
     _steps(dispatch, 1, n=1, calls=1)
     assert dispatch.abandoned == 1 and not dispatch.wants_idle() and dispatch.rechecks == 0
+
+
+def test_a_new_split_measured_once_in_a_noisy_moment_is_not_used(monkeypatch):
+    # Seen in a side-by-side run: an idle-time measurement timed the compiled matmul at 36 ms a pass at one row
+    # (18 quiet, and again a minute later), and chose oneDNN there for every step after it.
+    fake = FakeBackends(monkeypatch, {"torch": 38.0, "onednn": 27.0, "compiled": 18.0})
+    quiet = {"torch": [38.6, 69.7, 96.1, None, None], "onednn": [27.3, 40.7, 40.3, 40.7, 49.1],
+             "compiled": [17.7, 21.1, 28.4, 38.5, 57.9]}
+    noisy = {"torch": [43.5, 74.9, 75.3, None, None], "onednn": [26.6, 40.7, 44.0, 39.5, 48.8],
+             "compiled": [35.9, 38.4, 56.3, 76.7, 121.3]}
+    results = [noisy, quiet]
+    clock = [0.0]
+
+    def measure(weights):
+        timings = results.pop(0)
+        return linear.split_from(timings, linear.COMPILED_PROBE_ROWS), timings
+        yield
+
+    dispatch = linear.LinearDispatch([torch.zeros(8, 4)], fake.backends, quiet, measure=measure,
+                                     clock=lambda: clock[0])
+    assert dispatch.split == linear.Split(4, 0)
+    clock[0] = linear.RECHECK_AFTER_S
+    assert dispatch.idle(quiet=True) and dispatch.split == linear.Split(4, 0)  # "onednn", once: not used
+    assert dispatch.wants_idle() and dispatch.idle(quiet=True)  # measured again at once: the old split holds
+    assert results == [] and dispatch.split == linear.Split(4, 0) and dispatch.changes == 0
+    assert dispatch.rechecks == 2 and not dispatch.wants_idle()
