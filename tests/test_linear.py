@@ -362,9 +362,10 @@ def test_the_serving_loop_measures_a_due_split_while_idle_and_only_on_a_quiet_ma
         assert dispatch.rechecks == rechecks  # due, but a core is busy elsewhere
         others[0] = 0.1
         deadline = time.monotonic() + 60
-        while dispatch.rechecks == rechecks and time.monotonic() < deadline:
+        while (dispatch.rechecks == rechecks or dispatch.wants_idle()) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert dispatch.rechecks == rechecks + 1 and not dispatch.wants_idle()
+        # One measurement, and a second at once where it gave a new split (used only when the two agree).
+        assert dispatch.rechecks in (rechecks + 1, rechecks + 2) and not dispatch.wants_idle()
     finally:
         loop.stop()
 
@@ -445,3 +446,22 @@ def test_a_new_split_measured_once_in_a_noisy_moment_is_not_used(monkeypatch):
     assert dispatch.wants_idle() and dispatch.idle(quiet=True)  # measured again at once: the old split holds
     assert results == [] and dispatch.split == linear.Split(4, 0) and dispatch.changes == 0
     assert dispatch.rechecks == 2 and not dispatch.wants_idle()
+
+
+def test_a_measurement_started_in_idle_time_waits_for_idle_time_when_a_request_comes(monkeypatch):
+    # Seen in a side-by-side run: one started idle and quiet went on between the steps of the request that came
+    # next, and one stream's 64 tokens took 3.3 s instead of 1.7.
+    fake = FakeBackends(monkeypatch, {"torch": 30.0, "onednn": 20.0, "compiled": 10.0})
+    timings = {"torch": [30.0, 60.0, 90.0, None, None], "onednn": [20.0] * 5, "compiled": [10.0] * 5}
+    clock = [linear.RECHECK_AFTER_S]
+    dispatch = linear.LinearDispatch([torch.zeros(8, 4)], fake.backends, timings, clock=lambda: clock[0])
+    clock[0] += linear.RECHECK_AFTER_S
+    assert dispatch.idle(quiet=True) and dispatch.idle(quiet=True)  # two slices, then a request
+    fake.calls.clear()
+    _steps(dispatch, 1, n=5, calls=1)
+    assert fake.calls == [("compiled", 1)] * 5  # the request's own matmuls only
+    assert dispatch.idle(quiet=True) and dispatch.rechecks == 0  # idle again: it goes on
+    clock[0] += linear.IDLE_WAIT_S  # a request that never ends: between its steps after all
+    while dispatch.rechecks == 0:
+        _steps(dispatch, 1, n=1, calls=1)
+    assert dispatch.rechecks == 1
