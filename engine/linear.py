@@ -18,9 +18,10 @@ serving `LinearDispatch` measures again (`RECHECK_ROUNDS` rounds, a slice at a t
 at doubling intervals up to an hour while the split holds, and sooner when the steps' own linear time (it
 times its calls at the probed row counts: two clock reads a call, ~15 µs a step of ~35 ms) departs from
 the measurement by more than `DRIFT`. Either runs in the engine's idle time on a quiet machine, or between
-steps when it has none for `IDLE_WAIT_S`. A split that differs from the one in use is measured once more
-before it is used: three rounds in a noisy moment once timed the compiled matmul at twice its time and
-sent one row to oneDNN. Every measurement and every change is logged.
+steps when it has had no idle time for `IDLE_WAIT_S` past due (`IDLE_BUSY_WAIT_S` when it had some, none
+quiet). A split that differs from the one in use is measured once more before it is used: three rounds in a
+noisy moment once timed the compiled matmul at twice its time and sent one row to oneDNN. Every measurement
+and every change is logged.
 
 A measurement holds for the torch thread count it was taken at (engine/threads.py changes it while others
 keep a core busy): a step at another count is not drift, and compared with it once made a 1-thread step
@@ -87,6 +88,10 @@ RECHECK_MAX_S = 3600.0
 # request waits behind it (one stream's first request after the schedule came due: 3.2 s instead of 1.3 on the
 # 2-vCPU EPYC) and no other process's work is in it; an engine never idle has it between steps after that.
 IDLE_WAIT_S = 60.0
+# An engine that does get idle time, none of it quiet, waits longer: in a side-by-side run kvops is idle while the
+# vLLMs serve, its quiet moments are a second or two before its own requests, and a measurement a minute past due
+# went on between the steps of one stream's request (3.2 s instead of 1.4).
+IDLE_BUSY_WAIT_S = 600.0
 # Quiet enough to measure in: other processes' work below this many CPUs. Stricter than a core taken
 # (engine/threads.py): one ran beside two vLLMs settling after their start, under half a core between readings,
 # and timed every backend ~1.5x slow (oneDNN at 16 rows: 70 against 49 ms), which the drift then re-measured
@@ -251,6 +256,7 @@ class LinearDispatch:
         self._measuring: Measuring | None = None  # a measurement under way, and why it was started
         self._why = ""
         self._idle_only = False  # the measurement under way started in idle time: its slices wait for idle time
+        self._idle_while_due = False  # the engine had idle time since the measurement came due
         self._due_why: str | None = None  # why a measurement is due before its schedule (drift, a confirmation)
         self._pending: Split | None = None  # a new split measured once, to be measured again before it is used
         self._clock = clock
@@ -295,12 +301,12 @@ class LinearDispatch:
         now = self._clock()
         if self._measuring is not None:
             # One started in idle time pauses while requests run (carried on between a request's steps it cost one
-            # stream 1.6 s of 3.3), unless the engine has had no idle moment for IDLE_WAIT_S past due.
-            if not self._idle_only or now >= self._next_check + IDLE_WAIT_S:
+            # stream 1.6 s of 3.3), unless the engine has had no quiet idle time for long past due.
+            if not self._idle_only or now >= self._next_check + self._between_steps_after():
                 self._idle_only = False
                 self._advance()
             return
-        if now >= self._next_check + IDLE_WAIT_S:
+        if now >= self._next_check + self._between_steps_after():
             self.recheck(self._reason(now, "not idle since"))
             return
         if now >= self._next_check:  # due already: no need to watch for drift
@@ -316,6 +322,10 @@ class LinearDispatch:
         observed = statistics.median(watched)
         if predicted and abs(observed / predicted - 1) > DRIFT:
             self._make_due(f"{m}-row steps took {observed:.1f} ms in linears, {predicted:.1f} ms measured ({backend})")
+
+    def _between_steps_after(self) -> float:
+        """How long past due a measurement waits for quiet idle time before it runs between steps."""
+        return IDLE_BUSY_WAIT_S if self._idle_while_due else IDLE_WAIT_S
 
     def _make_due(self, why: str) -> None:
         """Due now, before the schedule: measured in idle time on a quiet machine like a scheduled one (a drift
@@ -337,13 +347,17 @@ class LinearDispatch:
         one starts again when it is quiet. True when a slice ran: the caller checks for requests, then calls
         again."""
         if self._measuring is not None:
+            self._idle_while_due = True
             if not quiet:
                 self._abandon("other processes got busy")
                 return False
             self._advance()
             return True
         now = self._clock()
-        if now < self._next_check or not quiet:
+        if now < self._next_check:
+            return False
+        self._idle_while_due = True
+        if not quiet:
             return False
         self.recheck(self._reason(now, "while idle"))
         self._idle_only = self._measuring is not None
@@ -391,7 +405,7 @@ class LinearDispatch:
 
     def _measured(self, split: Split, timings: Timings) -> None:
         self.rechecks += 1
-        self._due_why = None
+        self._due_why, self._idle_while_due = None, False
         self._last_check = self._clock()
         for watched in self._watched.values():
             watched.clear()

@@ -461,7 +461,25 @@ def test_a_measurement_started_in_idle_time_waits_for_idle_time_when_a_request_c
     _steps(dispatch, 1, n=5, calls=1)
     assert fake.calls == [("compiled", 1)] * 5  # the request's own matmuls only
     assert dispatch.idle(quiet=True) and dispatch.rechecks == 0  # idle again: it goes on
-    clock[0] += linear.IDLE_WAIT_S  # a request that never ends: between its steps after all
-    while dispatch.rechecks == 0:
+    clock[0] += linear.IDLE_BUSY_WAIT_S  # a request that never ends: between its steps after all
+    for _ in range(2 * linear.RECHECK_ROUNDS * len(linear.COMPILED_PROBE_ROWS)):
         _steps(dispatch, 1, n=1, calls=1)
+    assert dispatch.rechecks == 1
+
+
+def test_an_engine_idle_only_while_others_are_busy_waits_longer_before_measuring_between_steps(monkeypatch):
+    # kvops beside vLLMs serving in turns: idle while they serve (not quiet), busy when they are quiet. A minute past
+    # due the measurement went on between the steps of one stream's request (3.2 s instead of 1.4).
+    fake = FakeBackends(monkeypatch, {"torch": 30.0, "onednn": 20.0, "compiled": 10.0})
+    timings = {"torch": [30.0, 60.0, 90.0, None, None], "onednn": [20.0] * 5, "compiled": [10.0] * 5}
+    clock = [0.0]
+    dispatch = linear.LinearDispatch([torch.zeros(8, 4)], fake.backends, timings, clock=lambda: clock[0])
+    clock[0] = linear.RECHECK_AFTER_S + 1
+    assert not dispatch.idle(quiet=False)  # due, idle, not quiet
+    clock[0] += linear.IDLE_WAIT_S
+    _steps(dispatch, 1, n=3, calls=1)
+    assert dispatch.rechecks == 0 and fake.calls == [("compiled", 1)] * 3  # not yet: it has had idle time
+    clock[0] += linear.IDLE_BUSY_WAIT_S
+    for _ in range(2 * linear.RECHECK_ROUNDS * len(linear.COMPILED_PROBE_ROWS)):  # never quiet for ten minutes
+        _steps(dispatch, 1, n=1, calls=1)  # past due: between steps after all
     assert dispatch.rechecks == 1
