@@ -1,11 +1,11 @@
-"""The compiled engine step (`--compile auto|on|off`): engine/step_kernels.cpp, built at engine start.
+"""The compiled engine step (`--compile auto|on|off`): engine/step_*.cpp, built at engine start.
 
 On CPU the unfused decode step runs ~35 small ops a layer from Python and gathers every sequence's K/V into a
 copy before attending; the compiled ops fuse the glue between the matmuls and read K/V in place in the paged
 cache (docs/engine.md, "The compiled step"). The install stays compile-free: the library is built the first
 time an engine starts with compile on, by the machine's C++ compiler against the installed torch's headers,
 and kept in the cache directory (`kvops.engine.weights.cache_root()`/compiled). The key is everything the
-built file depends on: the source, kvops's and torch's versions, the compiler and the CPU it was tuned for
+built file depends on: the sources, kvops's and torch's versions, the compiler and the CPU it was tuned for
 (`-march=native`). The ops take any model shape and float32 or bfloat16, so a second model or dtype reuses
 it. Concurrent first starts build once: the second waits on a lock and then loads what the first built.
 
@@ -39,7 +39,10 @@ from kvops.schema.errors import ConfigError
 
 log = structlog.get_logger("kvops.engine.compiled")
 
-SOURCE = Path(__file__).with_name("step_kernels.cpp")
+# step_kernels.cpp (the glue ops, the one call for all layers and the ops' registration), step_attention.cpp,
+# step_matmul.cpp, and the header they share: one library.
+SOURCES = tuple(sorted(Path(__file__).parent.glob("step_*.cpp")))
+HEADERS = tuple(sorted(Path(__file__).parent.glob("step_*.h")))
 NAMESPACE = "kvops_step"  # TORCH_LIBRARY's namespace in the source: the ops are torch.ops.kvops_step.*
 BUILD_TIMEOUT_S = 600
 
@@ -79,23 +82,49 @@ def _cpu() -> str:
 
 def cache_key(cxx: str) -> str:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
-    parts = [SOURCE.read_bytes(), __version__.encode(), torch.__version__.encode(), version.encode(), _cpu().encode()]
+    parts = [*(path.read_bytes() for path in SOURCES + HEADERS), __version__.encode(), torch.__version__.encode(),
+             version.encode(), _cpu().encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
-def _command(cxx: str, output: Path) -> list[str]:
+def _commands(cxx: str, scratch: Path, output: Path) -> tuple[list[list[str]], list[str]]:
+    """One compile per source (run side by side: 19 against 31 s one after another, on two cores), then the link."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     # -ffp-contract=off: no fused multiply-adds, so RoPE's products and sums round as the unfused step's do.
     # -fopenmp: at::parallel_for is inline OpenMP; the loader resolves libgomp.so.1 to the one torch loaded.
-    return [cxx, "-O3", "-march=native", "-ffp-contract=off", "-std=c++20", "-fopenmp", "-shared", "-fPIC",
-            "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in include_paths()), str(SOURCE),
-            "-o", str(output), *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu"]
+    flags = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++20", "-fopenmp", "-fPIC", "-w",
+             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in include_paths())]
+    objects = [scratch / f"{source.stem}.o" for source in SOURCES]
+    compiles = [[cxx, *flags, "-c", str(source), "-o", str(obj)] for source, obj in zip(SOURCES, objects, strict=True)]
+    link = [cxx, "-shared", "-fopenmp", *map(str, objects), "-o", str(output),
+            *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu"]
+    return compiles, link
+
+
+def _run(commands: list[list[str]], cxx: str) -> None:
+    """Run the commands side by side; the first failure, or a run past BUILD_TIMEOUT_S, raises RuntimeError."""
+    running = [subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+               for command in commands]
+    deadline = time.monotonic() + BUILD_TIMEOUT_S
+    try:
+        for process in running:
+            try:
+                _, stderr = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"{cxx} took more than {BUILD_TIMEOUT_S} s") from None
+            if process.returncode != 0:
+                raise RuntimeError(f"{cxx} failed ({process.returncode}): {stderr.strip()[-1500:]}")
+    finally:
+        for process in running:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 def build(directory: Path, cxx: str) -> tuple[Path, bool]:
-    """The library for this source, torch, compiler and CPU: (path, whether it was built now)."""
+    """The library for these sources, torch, compiler and CPU: (path, whether it was built now)."""
     directory.mkdir(parents=True, exist_ok=True)
     library = directory / f"{NAMESPACE}-{cache_key(cxx)}.so"
     with (directory / ".lock").open("w") as lock:
@@ -104,13 +133,9 @@ def build(directory: Path, cxx: str) -> tuple[Path, bool]:
             return library, False
         with tempfile.TemporaryDirectory(dir=directory) as scratch:
             partial = Path(scratch) / library.name
-            try:
-                done = subprocess.run(_command(cxx, partial), capture_output=True, text=True,
-                                      timeout=BUILD_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"{cxx} took more than {BUILD_TIMEOUT_S} s") from None
-            if done.returncode != 0:
-                raise RuntimeError(f"{cxx} failed ({done.returncode}): {done.stderr.strip()[-1500:]}")
+            compiles, link = _commands(cxx, Path(scratch), partial)
+            _run(compiles, cxx)
+            _run([link], cxx)
             os.replace(partial, library)  # whole or absent: a killed build leaves nothing to load
         return library, True
 

@@ -5,47 +5,18 @@
 // attention reads K/V where they lie in the paged cache instead of gathering them into a copy first.
 // Everything accumulates in float; half-precision values are rounded where the unfused step rounds them.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
+#include "step_kernels.h"
+
 #include <torch/library.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <ATen/record_function.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
-
-#include <algorithm>
 #include <chrono>
-#include <cmath>
-#include <limits>
-#include <vector>
 
+namespace kvops_step {
 namespace {
-
-// Below this many float operations an op runs on the calling thread: waking the pool costs more.
-constexpr int64_t kGrainFlops = 1 << 15;
-
-template <typename T>
-inline float f32(T v) {
-  return static_cast<float>(v);
-}
-
-// Sixteen partial sums, so the compiler vectorizes the loop without reassociating it.
-template <typename T>
-inline float dot(const float* a, const T* b, int64_t n) {
-  float acc[16] = {0.f};
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16)
-    for (int l = 0; l < 16; ++l) acc[l] += a[j + l] * f32(b[j + l]);
-  float s = 0.f;
-  for (int l = 0; l < 16; ++l) s += acc[l];
-  for (; j < n; ++j) s += a[j] * f32(b[j]);
-  return s;
-}
 
 template <typename T>
 void add_rms_norm_impl(at::Tensor& x, const at::Tensor* delta, const at::Tensor& weight, at::Tensor& out,
@@ -143,7 +114,7 @@ void rope_write_impl(const at::Tensor& qkv, const at::Tensor& positions, const a
 at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                       const at::Tensor& sin, at::Tensor cache, const at::Tensor& slots, int64_t heads,
                       int64_t kv_heads) {
-  TORCH_CHECK(cache[0].is_contiguous() && cos.is_contiguous() && sin.is_contiguous(), "rope_write: layouts");
+  TORCH_CHECK(halves_contiguous(cache) && cos.is_contiguous() && sin.is_contiguous(), "rope_write: layouts");
   TORCH_CHECK(cache.scalar_type() == qkv.scalar_type(), "rope_write: the cache must hold the model dtype");
   auto q = at::empty({qkv.size(0), heads, cos.size(1)}, qkv.options());
   if (qkv.scalar_type() == at::kFloat)
@@ -155,203 +126,42 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& positions, const 
   return q;
 }
 
-template <typename T>
-void paged_decode_impl(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
-                       const at::Tensor& lens, double scale, at::Tensor& out) {
-  const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2);
-  const int64_t bs = cache.size(2), kv_heads = cache.size(3), group = heads / kv_heads;
-  const int64_t width = tables.size(1);
-  const T* qp = q.data_ptr<T>();
-  const T* kc = cache.data_ptr<T>();
-  const T* vc = kc + cache.stride(0);
-  const int64_t* table = tables.data_ptr<int64_t>();
-  const int64_t* len = lens.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
-  int64_t longest = 0;
-  for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, len[r]);
-  const int64_t grain = std::max<int64_t>(1, kGrainFlops / std::max<int64_t>(1, 4 * group * longest * d));
-  at::parallel_for(0, rows * kv_heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), acc(group * d), scores(group * longest);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / kv_heads, kvh = item % kv_heads, n = len[r];
-      const int64_t* blocks = table + r * width;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t j = 0; j < d; ++j) qf[g * d + j] = f32(qp[(r * heads + kvh * group + g) * d + j]) * scale;
-      // K in place: each token's row is found through the block table, nothing is gathered
-      for (int64_t t = 0; t < n; ++t) {
-        const T* k = kc + ((blocks[t / bs] * bs + t % bs) * kv_heads + kvh) * d;
-        for (int64_t g = 0; g < group; ++g) scores[g * n + t] = dot(qf.data() + g * d, k, d);
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::vector<float> sums(group);
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * n;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) sum += (s[t] = std::exp(s[t] - top));
-        sums[g] = sum;
-      }
-      for (int64_t t = 0; t < n; ++t) {
-        const T* v = vc + ((blocks[t / bs] * bs + t % bs) * kv_heads + kvh) * d;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * n + t];
-          float* a = acc.data() + g * d;
-          for (int64_t j = 0; j < d; ++j) a[j] += p * f32(v[j]);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        T* o = op + (r * heads + kvh * group + g) * d;
-        const float inv = 1.f / sums[g];
-        for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(acc[g * d + j] * inv);
-      }
-    }
-  });
-}
-
-// Decode attention: q [rows, heads, d], each row over its `lens` tokens whose blocks are `tables` [rows, width]
-// in the cache [2, blocks, block_size, kv_heads, d]. Query heads share a KV head in groups (GQA).
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
-                        const at::Tensor& lens, double scale) {
-  TORCH_CHECK(q.is_contiguous() && cache[0].is_contiguous() && tables.is_contiguous() && lens.is_contiguous(),
-              "paged_decode: layouts");
-  TORCH_CHECK(cache.scalar_type() == q.scalar_type(), "paged_decode: the cache must hold the model dtype");
-  auto out = at::empty_like(q);
-  if (q.scalar_type() == at::kFloat)
-    paged_decode_impl<float>(q, cache, tables, lens, scale, out);
-  else if (q.scalar_type() == at::kBFloat16)
-    paged_decode_impl<c10::BFloat16>(q, cache, tables, lens, scale, out);
-  else
-    TORCH_CHECK(false, "paged_decode: float32 or bfloat16 only, got ", q.scalar_type());
-  return out;
-}
-
-// silu(gate) * up of the fused projection [tokens, 2 * inter]: ATen's own ops, one call from Python instead of
-// three, and the same bits as the unfused step.
+// silu(gate) * up of the fused projection [tokens, 2 * inter]. In float32 one loop with exp8 (within 2 ulp of
+// ATen's: 2 against 9 us a layer for one stream, where ATen's three ops were mostly their own dispatch); otherwise
+// ATen's own ops, one call from Python instead of three, and the same bits as the unfused step.
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   const int64_t inter = gate_up.size(1) / 2;
-  return at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
-}
-
-// Fused multiply-adds here only: the matmul's sums are not the unfused step's anyway (another order), and RoPE,
-// above, must round each product as the unfused step does (-ffp-contract=off for the rest of the file).
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=fast")
-template <int R>
-inline void dot_rows(const float* x, const float* wr, int64_t k, float* out, int64_t n) {
-  float acc[R][16] = {};
-  int64_t j = 0;
-  for (; j + 16 <= k; j += 16)
-    for (int l = 0; l < 16; ++l) {
-      const float wv = wr[j + l];
-      for (int r = 0; r < R; ++r) acc[r][l] += x[r * k + j + l] * wv;
-    }
-  for (int r = 0; r < R; ++r) {
-    float sum = 0.f;
-    for (int l = 0; l < 16; ++l) sum += acc[r][l];
-    for (int64_t t = j; t < k; ++t) sum += x[r * k + t] * wr[t];
-    out[r * n] = sum;
-  }
-}
-
 #if defined(__AVX2__) && defined(__FMA__)
-constexpr bool kTiled = true;
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// R rows of x against C weight rows: R*C dot products of eight lanes each, all in registers for the whole of k.
-// Each x load feeds C multiply-adds and each weight load R, so the loop is bound by multiply-adds, not loads.
-template <int R, int C>
-inline void tile(const float* x, const float* w, int64_t k, float* out, int64_t n) {
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= k; j += 8) {
-    __m256 wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w + c * k + j);
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * k + j);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      float sum = hsum(acc[r][c]);
-      for (int64_t t = j; t < k; ++t) sum += x[r * k + t] * w[c * k + t];
-      out[r * n + c] = sum;
-    }
-}
-
-// Every row of x against C weight rows, four rows at a time while those weight rows sit in L1.
-template <int C>
-inline void tile_rows(const float* x, const float* w, int64_t rows, int64_t k, float* out, int64_t n) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) tile<4, C>(x + r * k, w, k, out + r * n, n);
-  switch (rows - r) {
-    case 1: tile<1, C>(x + r * k, w, k, out + r * n, n); break;
-    case 2: tile<2, C>(x + r * k, w, k, out + r * n, n); break;
-    case 3: tile<3, C>(x + r * k, w, k, out + r * n, n); break;
-    default: break;
-  }
-}
-#else
-constexpr bool kTiled = false;
-#endif
-#pragma GCC pop_options
-
-// Weight rows a tile of the tiled matmul: 4x3 measured best of 4x2, 3x4, 2x6, 6x2 and 8x1 at 4-32 rows (4x3 and
-// 3x4 alike; 6x2 runs out of registers).
-constexpr int64_t kTileCols = 3;
-// Below this many rows a weight row at a time (dot_rows): at one to three rows the tile gained nothing.
-constexpr int64_t kTileRows = 4;
-
-// x [rows, k] @ w [n, k]^T in float32, each weight row read from memory once for all rows of x. A decode step's
-// matmuls are memory-bound at a few rows, where MKL's and oneDNN's reached about half the machine's read rate;
-// from four rows on, register tiles keep the loop bound by multiply-adds (docs/benchmarks.md, "The compiled step").
-at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& w) {
-  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && x_in.scalar_type() == at::kFloat,
-              "gemv: float32 only");
-  const at::Tensor x = x_in.contiguous();
-  const int64_t rows = x.size(0), n = w.size(0), k = w.size(1);
-  auto out = at::empty({rows, n}, x.options());
-  if (rows == 0) return out;  // a chunked-prefill step that samples nothing
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const bool tiled = kTiled && rows >= kTileRows;
-  const int64_t cols = tiled ? kTileCols : 1;
-  const int64_t tiles = (n + cols - 1) / cols;
-  const int64_t grain = std::max<int64_t>(1, kGrainFlops / (2 * k * rows * cols));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t o = t * cols;
-#if defined(__AVX2__) && defined(__FMA__)
-      if (tiled) {
-        if (o + kTileCols <= n) {
-          tile_rows<kTileCols>(xp, wp + o * k, rows, k, op + o, n);
-        } else {
-          for (int64_t c = o; c < n; ++c) tile_rows<1>(xp, wp + c * k, rows, k, op + c, n);
+  if (gate_up.scalar_type() == at::kFloat && inter % 8 == 0) {
+    auto out = at::empty({gate_up.size(0), inter}, gate_up.options());
+    const float* src = gate_up.data_ptr<float>();
+    float* dst = out.data_ptr<float>();
+    // oneDNN's product is a transposed view (engine/linear.py): its columns are gathered eight at a time
+    const int64_t rows = gate_up.size(0), s0 = gate_up.stride(0), s1 = gate_up.stride(1);
+    at::parallel_for(0, rows, std::max<int64_t>(1, kGrainFlops / (8 * inter)), [&](int64_t begin, int64_t end) {
+      alignas(32) float g8[8], u8[8];
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t j = 0; j < inter; j += 8) {
+          const float* g = src + r * s0 + j * s1;
+          __m256 gv, uv;
+          if (s1 == 1) {
+            gv = _mm256_loadu_ps(g);
+            uv = _mm256_loadu_ps(g + inter);
+          } else {
+            for (int l = 0; l < 8; ++l) g8[l] = g[l * s1], u8[l] = g[(inter + l) * s1];
+            gv = _mm256_load_ps(g8);
+            uv = _mm256_load_ps(u8);
+          }
+          // silu(g) = g / (1 + e^-g), ATen's form; e^-g capped below float's overflow
+          const __m256 e = exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv), _mm256_set1_ps(88.f)));
+          _mm256_storeu_ps(dst + r * inter + j,
+                           _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e)), uv));
         }
-        continue;
-      }
+    });
+    return out;
+  }
 #endif
-      const float* wr = wp + o * k;
-      int64_t r = 0;
-      for (; r + 4 <= rows; r += 4) dot_rows<4>(xp + r * k, wr, k, op + r * n + o, n);
-      switch (rows - r) {
-        case 1: dot_rows<1>(xp + r * k, wr, k, op + r * n + o, n); break;
-        case 2: dot_rows<2>(xp + r * k, wr, k, op + r * n + o, n); break;
-        case 3: dot_rows<3>(xp + r * k, wr, k, op + r * n + o, n); break;
-        default: break;
-      }
-    }
-  });
-  return out;
+  return at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
 }
 
 // (W @ x^T)^T through oneDNN, as engine/linear.py's _onednn_linear computes it: a transposed view.
@@ -408,13 +218,18 @@ std::tuple<at::Tensor, double> decode_layers(at::Tensor x, const c10::List<std::
       attn = paged_decode(q, caches[i], tables, lens, scale).view({rows, -1});
     }
     h = add_rms_norm(x, linear(attn, *weight(3), std::nullopt), *weight(4), eps);
-    delta = linear(silu_mul(linear(h, *weight(5), std::nullopt)), *weight(6), std::nullopt);
+    at::Tensor gate_up = linear(h, *weight(5), std::nullopt);
+    if (i + 1 < caches.size()) prefetch_kv(caches[i + 1], tables, lens);  // the next layer's, during the down matmul
+    delta = linear(silu_mul(gate_up), *weight(6), std::nullopt);
   }
   if (delta.has_value()) x.add_(*delta);
   return {x, linear_s};
 }
 
 }  // namespace
+}  // namespace kvops_step
+
+using namespace kvops_step;
 
 TORCH_LIBRARY(kvops_step, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor", add_rms_norm);

@@ -1,4 +1,4 @@
-"""The compiled step (engine/compiled.py, engine/step_kernels.cpp) against the unfused ops it replaces.
+"""The compiled step (engine/compiled.py, engine/step_*.cpp) against the unfused ops it replaces.
 
 The ops are built with this machine's compiler the first time (~20-30 s here) and loaded from the cache after,
 so the session pays for one build at most; every engine the other tests start reuses it (`--compile auto`).
@@ -85,8 +85,8 @@ def test_add_rms_norm_adds_the_residual_exactly_and_normalizes_as_the_unfused_st
     assert torch.equal(ops.add_rms_norm(expected_x.clone(), None, weight, model.eps), got)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 16])
-@pytest.mark.parametrize("k", [576, 70])  # a width of whole 16-float chunks, and one with a tail
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 40])
+@pytest.mark.parametrize("k", [576, 70])  # whole 16-float chunks (and 8-column transposes), and a tail
 def test_the_compiled_matmul_is_f_linear_to_float_rounding(ops, rows, k):
     generator = torch.Generator().manual_seed(rows * k)
     x, w = torch.randn(rows, k, generator=generator), torch.randn(100, k, generator=generator)
@@ -94,10 +94,25 @@ def test_the_compiled_matmul_is_f_linear_to_float_rounding(ops, rows, k):
     torch.testing.assert_close(ops.gemv(x.t().contiguous().t(), w), F.linear(x, w), atol=1e-4, rtol=1e-5)
 
 
-def test_silu_mul_is_the_unfused_activation_bit_for_bit(ops):
-    gate_up = (torch.randn(96, 5, generator=torch.Generator().manual_seed(3)) * 4).t()
-    gate, up = gate_up.split(48, dim=-1)
+def test_silu_mul_is_the_unfused_activation_bit_for_bit_through_aten(ops):  # bf16, and float32 of odd widths
+    gate_up = (torch.randn(5, 92, generator=torch.Generator().manual_seed(3)) * 4).to(torch.bfloat16)
+    gate, up = gate_up.split(46, dim=-1)
     assert torch.equal(ops.silu_mul(gate_up), F.silu(gate) * up)
+    gate_up = gate_up.float()  # float32 whose halves are not whole vectors
+    gate, up = gate_up.split(46, dim=-1)
+    assert torch.equal(ops.silu_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("scale", [1.0, 4.0, 200.0])  # 200: exp's argument past float's range both ways
+@pytest.mark.parametrize("transposed", [False, True])  # oneDNN's product is a transposed view
+def test_silu_mul_in_one_loop_is_the_unfused_activation_to_float_rounding(ops, scale, transposed):
+    # float32, halves of whole vectors: the fused loop with its own exp (within 2 ulp of ATen's)
+    gate_up = torch.randn(7, 96, generator=torch.Generator().manual_seed(4)) * scale
+    gate_up = gate_up.t().contiguous().t() if transposed else gate_up
+    gate, up = gate_up.split(48, dim=-1)
+    got = ops.silu_mul(gate_up)
+    torch.testing.assert_close(got, F.silu(gate) * up, atol=1e-6, rtol=1e-6)
+    assert got.isfinite().all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
