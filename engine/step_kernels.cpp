@@ -1,4 +1,5 @@
-// The compiled parts of the engine's CPU step (engine/compiled.py builds this at engine start and caches it).
+// The compiled parts of the engine's CPU step: the glue ops, the one call for all layers and the ops' registration
+// (engine/compiled.py builds this with step_attention.cpp and step_matmul.cpp at engine start and caches it).
 //
 // A decode step of a small model is mostly small ops: per layer, the unfused step ran ~35 of them from Python,
 // ~10 ms of a ~36 ms one-stream step. Here the glue between the matmuls is four ops per layer, and decode

@@ -38,8 +38,8 @@ inline bool halves_contiguous(const at::Tensor& cache) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// e^x for x <= 0 (scores less their maximum), eight at a time: Cephes's expf, within 2 ulp of std::exp. The scalar
-// std::exp of one score per token and query head was half the time of one stream's attention.
+// e^x eight at a time, for x up to 88 (callers cap it; below -87.3 it is taken as -87.3, e^x then under float's
+// smallest normal): Cephes's expf, within 2 ulp of std::exp, for the softmax's scores less their maximum and SiLU.
 inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
