@@ -18,21 +18,31 @@ inline float dot(const float* a, const T* b, int64_t n) {
   return s;
 }
 
+// What both decode attentions read: the shapes, K and V in the cache, the block tables and lengths, the output,
+// and how many (row, KV head) items a thread takes at a time.
+template <typename T>
+struct DecodeView {
+  int64_t rows, heads, d, bs, kv_heads, group, width, longest, grain;
+  const T *q, *k, *v;
+  const int64_t *table, *len;
+  T* out;
+
+  DecodeView(const at::Tensor& query, const at::Tensor& cache, const at::Tensor& tables, const at::Tensor& lens,
+             at::Tensor& output)
+      : rows(query.size(0)), heads(query.size(1)), d(query.size(2)), bs(cache.size(2)), kv_heads(cache.size(3)),
+        group(heads / kv_heads), width(tables.size(1)), longest(0), grain(1), q(query.data_ptr<T>()),
+        k(cache.data_ptr<T>()), v(k + cache.stride(0)), table(tables.data_ptr<int64_t>()),
+        len(lens.data_ptr<int64_t>()), out(output.data_ptr<T>()) {
+    for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, len[r]);
+    grain = std::max<int64_t>(1, kGrainFlops / std::max<int64_t>(1, 4 * group * longest * d));
+  }
+};
+
 template <typename T>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
                        const at::Tensor& lens, double scale, at::Tensor& out) {
-  const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2);
-  const int64_t bs = cache.size(2), kv_heads = cache.size(3), group = heads / kv_heads;
-  const int64_t width = tables.size(1);
-  const T* qp = q.data_ptr<T>();
-  const T* kc = cache.data_ptr<T>();
-  const T* vc = kc + cache.stride(0);
-  const int64_t* table = tables.data_ptr<int64_t>();
-  const int64_t* len = lens.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
-  int64_t longest = 0;
-  for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, len[r]);
-  const int64_t grain = std::max<int64_t>(1, kGrainFlops / std::max<int64_t>(1, 4 * group * longest * d));
+  const auto [rows, heads, d, bs, kv_heads, group, width, longest, grain, qp, kc, vc, table, len, op] =
+      DecodeView<T>(q, cache, tables, lens, out);
   at::parallel_for(0, rows * kv_heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * d), scores(group * longest);
     for (int64_t item = begin; item < end; ++item) {
@@ -76,18 +86,8 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& cache, const at::T
 // paged_decode_impl for float with a head size of whole vectors: the same steps, each in AVX2 registers.
 void paged_decode_f32(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables, const at::Tensor& lens,
                       double scale, at::Tensor& out) {
-  const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2);
-  const int64_t bs = cache.size(2), kv_heads = cache.size(3), group = heads / kv_heads;
-  const int64_t width = tables.size(1);
-  const float* qp = q.data_ptr<float>();
-  const float* kc = cache.data_ptr<float>();
-  const float* vc = kc + cache.stride(0);
-  const int64_t* table = tables.data_ptr<int64_t>();
-  const int64_t* len = lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  int64_t longest = 0;
-  for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, len[r]);
-  const int64_t grain = std::max<int64_t>(1, kGrainFlops / std::max<int64_t>(1, 4 * group * longest * d));
+  const auto [rows, heads, d, bs, kv_heads, group, width, longest, grain, qp, kc, vc, table, len, op] =
+      DecodeView<float>(q, cache, tables, lens, out);
   at::parallel_for(0, rows * kv_heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * d), scores(group * (longest + 8));
     const int64_t stride = longest + 8;  // a group's scores, padded to whole vectors
