@@ -29,25 +29,23 @@ void add_rms_norm_impl(at::Tensor& x, const at::Tensor* delta, const at::Tensor&
   const T* dp = delta ? delta->data_ptr<T>() : nullptr;
   const int64_t ds0 = delta ? delta->stride(0) : 0, ds1 = delta ? delta->stride(1) : 0;
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrainFlops / (4 * d)), [&](int64_t begin, int64_t end) {
-    std::vector<float> h(d);
     for (int64_t r = begin; r < end; ++r) {
       T* xr = xp + r * d;
-      float acc[16] = {0.f};
-      for (int64_t j = 0; j < d; ++j) {
-        float v = f32(xr[j]);
-        if (dp) {
-          xr[j] = static_cast<T>(v + f32(dp[r * ds0 + j * ds1]));  // the residual, rounded as the unfused add
-          v = f32(xr[j]);
-        }
-        h[j] = v;
-        acc[j & 15] += v * v;
+      if (dp) {  // the residual, rounded as the unfused add
+        const T* dr = dp + r * ds0;
+        for (int64_t j = 0; j < d; ++j) xr[j] = static_cast<T>(f32(xr[j]) + f32(dr[j * ds1]));
       }
+      float acc[16] = {0.f};
+      int64_t j = 0;
+      for (; j + 16 <= d; j += 16)
+        for (int l = 0; l < 16; ++l) acc[l] += f32(xr[j + l]) * f32(xr[j + l]);
+      for (; j < d; ++j) acc[j & 15] += f32(xr[j]) * f32(xr[j]);
       float ss = 0.f;
       for (int l = 0; l < 16; ++l) ss += acc[l];
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
       T* o = op + r * d;
       // float: (x * inv) * w, F.rms_norm's order; half precision: w * round(x * inv), transformers' order
-      for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(f32(wp[j]) * f32(static_cast<T>(h[j] * inv)));
+      for (j = 0; j < d; ++j) o[j] = static_cast<T>(f32(wp[j]) * f32(static_cast<T>(f32(xr[j]) * inv)));
     }
   });
 }
@@ -97,7 +95,7 @@ void rope_write_impl(const at::Tensor& qkv, const at::Tensor& positions, const a
       }
       // x * cos + roll(x, d/2) * sin_signed, each product rounded as the unfused step rounds it
       for (int64_t j = 0; j < d; ++j) {
-        const T rolled = x[((j + half) % d) * s1];
+        const T rolled = x[(j < half ? j + half : j - half) * s1];
         dst[j] = static_cast<T>(f32(static_cast<T>(f32(x[j * s1]) * f32(c[j]))) +
                                 f32(static_cast<T>(f32(rolled) * f32(s[j]))));
       }
