@@ -122,6 +122,49 @@ def read_bandwidth(megabytes: int = 512, rounds: int = 5) -> float:
     return data.numel() * 4 / best
 
 
+def _decode_steps(engine: Any, prompts: list[list[int]], params: Any, n: int, timer: PhaseTimer | None = None,
+                  around: Any = None, pause: Callable[[float], None] | None = None, every: int = 0) -> float:
+    """Fresh requests; `n` decode-only steps after their prefill, inside `around` (a context manager, e.g. the
+    profiler) when given; seconds of those steps. With `pause`, it gets the seconds of each `every` steps after
+    them, and its own time is not counted."""
+    for p in prompts:
+        engine.add_request([p[0] + 1, *p[1:]], params)  # a new first token: no cached prefix
+    while any(s.num_computed_tokens < s.prompt_len for s in engine.sequences.values()):
+        engine.step()
+    if timer is not None:
+        timer.totals.clear()
+    elapsed = 0.0
+    with around if around is not None else contextlib.nullcontext():
+        for done in range(0, n, every or n):
+            started = time.perf_counter()
+            for _ in range(min(n - done, every or n)):
+                engine.step()
+            batch = time.perf_counter() - started
+            elapsed += batch
+            if pause is not None:
+                pause(batch)
+    for request_id in list(engine.sequences):
+        engine.abort_request(request_id)
+    while engine.has_unfinished() or engine.block_manager.pending_free:
+        engine.step()
+    return elapsed
+
+
+def _paired_shares(decode_steps: Callable[..., float], steps: int, weight_bytes: int) -> list[dict[str, float]]:
+    """The third pass: every PAIR_STEPS steps, the read rate right after them; each pair's share of the limit
+    (weight bytes over that rate, against those steps' mean), lowest first."""
+    every = min(PAIR_STEPS, steps)
+    pairs: list[tuple[float, float]] = []  # (seconds a step, read bytes a second right after)
+
+    def read_after(batch_s: float) -> None:
+        pairs.append((batch_s / every, read_bandwidth(rounds=2)))
+
+    decode_steps(steps - steps % every, pause=read_after, every=every)
+    return sorted(({"step_ms": round(step_s * 1000, 2), "read_gb_s": round(rate / 1e9, 2),
+                    "share": round(weight_bytes / rate / step_s, 3)} for step_s, rate in pairs),
+                  key=lambda pair: pair["share"])
+
+
 def profile_offline(context: int | None, steps: int, max_tokens: int, llm: Any = None,
                     sequences: int = 16, shared_prefix: int = 0, compile: str = "auto") -> dict[str, Any]:
     """The plain and the profiled pass on `llm` (default: a new engine, 1 GiB of KV, max-model-len 2048, the
@@ -147,33 +190,7 @@ def profile_offline(context: int | None, steps: int, max_tokens: int, llm: Any =
 
     def decode_steps(n: int, timer: PhaseTimer | None = None, around: Any = None,
                      pause: Callable[[float], None] | None = None, every: int = 0) -> float:
-        """Fresh requests; `n` decode-only steps after their prefill, inside `around` (a context manager, e.g.
-        the profiler) when given; seconds of those steps. With `pause`, it gets the seconds of each `every`
-        steps after them, and its own time is not counted."""
-        for p in prompts:
-            engine.add_request([p[0] + 1, *p[1:]], params)  # a new first token: no cached prefix
-        while True:
-            plan_before = sum(1 for s in engine.sequences.values() if s.num_computed_tokens < s.prompt_len)
-            if plan_before == 0:
-                break
-            engine.step()
-        if timer is not None:
-            timer.totals.clear()
-        elapsed = 0.0
-        with around if around is not None else contextlib.nullcontext():
-            for done in range(0, n, every or n):
-                started = time.perf_counter()
-                for _ in range(min(n - done, every or n)):
-                    engine.step()
-                batch = time.perf_counter() - started
-                elapsed += batch
-                if pause is not None:
-                    pause(batch)
-        for request_id in list(engine.sequences):
-            engine.abort_request(request_id)
-        while engine.has_unfinished() or engine.block_manager.pending_free:
-            engine.step()
-        return elapsed
+        return _decode_steps(engine, prompts, params, n, timer, around, pause, every)
 
     timer = PhaseTimer(engine)
     try:
@@ -185,24 +202,14 @@ def profile_offline(context: int | None, steps: int, max_tokens: int, llm: Any =
     prof = profile(activities=[ProfilerActivity.CPU])
     decode_steps(steps, around=prof)
     weight_bytes = engine.model.nbytes  # RoPE tables included: under 1% of it
-    pairs: list[tuple[float, float]] = []  # (seconds a step, read bytes a second right after)
-
-    every = min(PAIR_STEPS, steps)
-
-    def read_after(batch_s: float) -> None:
-        pairs.append((batch_s / every, read_bandwidth(rounds=2)))
-
-    decode_steps(steps - steps % every, pause=read_after, every=every)
-    paired = sorted(({"step_ms": round(step_s * 1000, 2), "read_gb_s": round(rate / 1e9, 2),
-                      "share": round(weight_bytes / rate / step_s, 3)} for step_s, rate in pairs),
-                    key=lambda pair: pair["share"])
+    paired = _paired_shares(decode_steps, steps, weight_bytes)
     self_us: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
         self_us[group_of(event.key)] += event.self_cpu_time_total
     op_total = sum(self_us.values()) or 1.0
     forward_ms = phases["forward"] / steps * 1000
     contexts = [len(p) for p in prompts]
-    bandwidth = max(read_bandwidth(), *(rate for _, rate in pairs))
+    bandwidth = max(read_bandwidth(), *(pair["read_gb_s"] * 1e9 for pair in paired))
     floor_ms = weight_bytes / bandwidth * 1000
     return {
         "workload": (f"{shared_prefix}-token shared prefix + a question" if shared_prefix else
