@@ -315,6 +315,10 @@ class LLMEngine:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence]]:
         block_size = self.config.block_size
         ids: list[int] = []
+        # A decode token's position and slot are plain ints, made tensors once a step: per sequence, tensor ops
+        # cost more than the arithmetic (one stream's step spent 0.27 ms here). Decodes come first (`step`).
+        decode_pos: list[int] = []
+        decode_slots: list[int] = []
         pos: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
         decode_tables: list[list[int]] = []
@@ -326,31 +330,36 @@ class LLMEngine:
             seq, n = item.seq, item.num_new_tokens
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             table = self.block_manager.block_table(seq.seq_id)
-            positions = torch.arange(start, end)
-            table_tensor = torch.tensor(table, dtype=torch.long)
             flat_start = len(ids)
             ids.extend(seq.token_ids[start:end])
-            pos.append(positions)
-            slots.append(table_tensor[positions // block_size] * block_size + positions % block_size)
             if n == 1:
+                decode_pos.append(start)
+                decode_slots.append(table[start // block_size] * block_size + start % block_size)
                 decode_tables.append(table)
                 decode_lens.append(end)
             else:
+                positions = torch.arange(start, end)
+                table_tensor = torch.tensor(table, dtype=torch.long)
+                pos.append(positions)
+                slots.append(table_tensor[positions // block_size] * block_size + positions % block_size)
                 prefills.append(PrefillSpan(flat_start, flat_start + n, end, table_tensor))
             if end == len(seq.token_ids):
                 logits_indices.append(flat_start + n - 1)
                 sampled.append(seq)
+        if decode_pos:
+            pos.insert(0, torch.tensor(decode_pos, dtype=torch.long))
+            slots.insert(0, torch.tensor(decode_slots, dtype=torch.long))
         width = max((len(t) for t in decode_tables), default=0)
         meta = AttentionMetadata(
             block_size=block_size,
-            slot_mapping=torch.cat(slots),
+            slot_mapping=slots[0] if len(slots) == 1 else torch.cat(slots),
             num_decode_tokens=len(decode_tables),
             decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
                                              dtype=torch.long).reshape(len(decode_tables), width),
             decode_context_lens=torch.tensor(decode_lens, dtype=torch.long),
             prefills=prefills,
         )
-        return (torch.tensor(ids, dtype=torch.long), torch.cat(pos), meta,
+        return (torch.tensor(ids, dtype=torch.long), pos[0] if len(pos) == 1 else torch.cat(pos), meta,
                 torch.tensor(logits_indices, dtype=torch.long), sampled)
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:

@@ -6,6 +6,7 @@ through `kvops.kernels` (slot mapping for writes, block tables for reads).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -130,6 +131,8 @@ class LlamaModel:
         # Unmeasured until `use_compiled`: the engine measures the matmul backends after the KV pool fits, so a
         # configuration that cannot fit is refused without waiting for them.
         self.ops: Any = None
+        # The KV layers last seen and their caches when the compiled ops can read them all (None otherwise)
+        self._layout_memo: tuple[tuple[KVCacheLayer, ...], list[torch.Tensor] | None] = ((), None)
         self._layer_weights: list[torch.Tensor | None] = []
         self._linear_name, self.linear = select_linear(self.device, dtype)
         self._dispatch: LinearDispatch | None = None
@@ -193,17 +196,29 @@ class LlamaModel:
             return self._dispatch.backend_for(rows)
         return self._linear_name
 
+    def _compiled_caches(self, kv_cache: Sequence[KVCacheLayer]) -> list[torch.Tensor] | None:
+        """Every layer's cache tensor when the compiled ops can read them all, else None. Remembered for the layers
+        last seen, whose layouts never change: checking 30 layers each step cost 60 `aten::select`."""
+        layers, caches = self._layout_memo
+        if len(layers) != len(kv_cache) or not all(map(operator.is_, layers, kv_cache)):
+            layers = tuple(kv_cache)
+            caches = [layer.data for layer in layers] if all(map(_compiled_layout, layers)) else None
+            self._layout_memo = (layers, caches)
+        return caches
+
     def _decode_layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        kv_cache: Sequence[KVCacheLayer], observer: KVObserver | None) -> torch.Tensor | None:
         """All layers in one compiled call, for a step where every token decodes and every layer's cache holds the
         model dtype (the steady state of serving); None for any other step."""
-        if (self.ops is None or observer is not None or meta.prefills or x.shape[0] != meta.num_decode_tokens
-                or not all(map(_compiled_layout, kv_cache)) or self._cascades(meta)):
+        if self.ops is None or observer is not None or meta.prefills or x.shape[0] != meta.num_decode_tokens:
+            return None
+        caches = self._compiled_caches(kv_cache)
+        if caches is None or self._cascades(meta):
             return None
         rows = x.shape[0]
         backend = self._backend_for(rows)
         x, linear_s = self.ops.decode_layers(
-            x, self._layer_weights, [layer.data for layer in kv_cache], positions, self.cos, self.sin_signed,
+            x, self._layer_weights, caches, positions, self.cos, self.sin_signed,
             meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens, self.num_heads, self.num_kv_heads,
             self.scale, self.eps, backend == "onednn", backend == "compiled")
         if self._dispatch is not None:  # the dispatch watches the time its choice takes

@@ -21,7 +21,7 @@ from kvops.engine.config import EngineConfig
 from kvops.engine.llm import LLM
 from kvops.engine.model import apply_rope
 from kvops.engine.sampling import SamplingParams
-from kvops.kernels import AttentionMetadata, allocate_kv_cache_layer, reference
+from kvops.kernels import AttentionMetadata, KVCacheLayer, allocate_kv_cache_layer, reference
 from kvops.schema.errors import ConfigError
 
 CPU = torch.device("cpu")
@@ -156,6 +156,26 @@ def test_decode_steps_run_every_layer_in_one_call_and_other_steps_op_by_op(ops, 
     # steps where every row decodes, one call each (and the final norm)
     assert calls == {"add_rms_norm": 2 * (2 * layers + 1) + 5, "rope_write": 2 * layers, "silu_mul": 2 * layers,
                      "paged_decode": layers, "decode_layers": 5}, calls
+
+
+def test_the_compiled_step_reads_the_caches_it_can_and_sees_each_new_pool():
+    model = _tiny(torch.float32)
+
+    def layer(kind: str) -> KVCacheLayer:
+        return allocate_kv_cache_layer(kind, 4, 16, 2, 16, torch.float32)
+
+    served, quantized = [layer("auto")], [layer("int8")]
+    assert model._compiled_caches(served) == [served[0].data]
+    assert model._compiled_caches(quantized) is None  # int8 is read op by op
+    # a trial pool of K and V slices of a larger pool's memory: not one piece each
+    sliced = layer("auto")
+    sliced.data = torch.zeros(2, 4, 16, 4, 16)[:, :, :, :2]
+    assert model._compiled_caches([sliced]) is None
+    # the same pool again, and a layer replaced inside the same list, each seen for what it is now
+    caches = model._compiled_caches(served)
+    assert caches is not None and caches[0] is served[0].data
+    served[0] = quantized[0]
+    assert model._compiled_caches(served) is None
 
 
 def test_a_second_start_loads_the_cached_build(ops):
