@@ -46,6 +46,14 @@ def test_the_table_names_every_workload_and_what_was_missed():
     assert "2 cores" in text and "kvops bench vs-vllm" in text
 
 
+def test_a_phase_without_targets_records_the_ratio_and_claims_nothing():
+    report = _report()
+    workloads = report["quiet"]["workloads"]
+    report["busy_core"] = {"workloads": workloads, "verdicts": side_by_side.verdicts(workloads, targeted=False)}
+    assert report["busy_core"]["verdicts"]["chats"] == {"kvops_tok_s": 300.0, "best_vllm_tok_s": 160.0, "ratio": 1.875}
+    assert "| busy_core | chats | 300.0 | 100.0 | 160.0 | 1.88 | — |" in side_by_side.table(report)
+
+
 def test_the_scaling_plots_are_png_files(tmp_path):
     pytest.importorskip("matplotlib")
     written = side_by_side.plot(_report(), tmp_path)

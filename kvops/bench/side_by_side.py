@@ -66,8 +66,9 @@ CONTEXT_LENGTHS = (128, 256, 512, 1024, 1536)
 SWEEP_TOKENS = 32
 DTYPES = ("float32", "bfloat16")
 PHASES = ("quiet", "busy_core", "quiet_bf16")
-# (workload, the least ratio to the better vLLM issue 21 asks for)
+# (workload, the least ratio to the better vLLM issue 21 asks for); they hold for the quiet fp32 phase only
 TARGETS = {"stream": 1.5, "chats": 2.0, "shared-prefix": 2.0}
+TARGETED_PHASE = "quiet"
 
 
 @dataclass
@@ -177,8 +178,9 @@ def context_sweep(targets: list[Server], prompts: Prompts, settle: Callable[[], 
             "decode_tok_s": decode}
 
 
-def verdicts(workloads: dict[str, Any]) -> dict[str, Any]:
-    """kvops over the better vLLM, per workload, against TARGETS."""
+def verdicts(workloads: dict[str, Any], targeted: bool = True) -> dict[str, Any]:
+    """kvops over the better vLLM, per workload, against TARGETS (`targeted`), or the ratio alone: with a core busy
+    the issue asks for nothing slower than before, which one run cannot know, and bf16 has no target."""
     out = {}
     for name, least in TARGETS.items():
         w = workloads.get(name)
@@ -187,8 +189,9 @@ def verdicts(workloads: dict[str, Any]) -> dict[str, Any]:
         rates = {server: r["tok_s"] for server, r in w["servers"].items()}
         best_vllm = max((v for k, v in rates.items() if k.startswith("vllm")), default=0.0)
         ratio = round(rates["kvops"] / best_vllm, 3) if best_vllm else None
-        out[name] = {"kvops_tok_s": rates["kvops"], "best_vllm_tok_s": best_vllm, "ratio": ratio, "target": least,
-                     "met": ratio is not None and ratio >= least}
+        out[name] = {"kvops_tok_s": rates["kvops"], "best_vllm_tok_s": best_vllm, "ratio": ratio}
+        if targeted:
+            out[name] |= {"target": least, "met": ratio is not None and ratio >= least}
     return out
 
 
@@ -260,9 +263,9 @@ def table(report: dict[str, Any]) -> str:
             rates = {k: v["tok_s"] for k, v in w["servers"].items()}
             verdict = report[phase]["verdicts"].get(name, {})
             met = "met" if verdict.get("met") else "**missed**"
+            target = f"≥ {verdict['target']} ({met})" if "target" in verdict else "—"
             lines.append(f"| {phase} | {name} | {rates['kvops']:.1f} | {rates['vllm']:.1f} | "
-                         f"{rates['vllm-omp']:.1f} | {verdict.get('ratio', 0):.2f} | ≥ {verdict.get('target')} "
-                         f"({met}) |")
+                         f"{rates['vllm-omp']:.1f} | {verdict.get('ratio', 0):.2f} | {target} |")
     m = report["machine"]
     lines.append("")
     lines.append(f"{report['date']}, {describe_cpu(m)}, {m['cores']} cores, {m['memory_gib']} GiB; "
@@ -317,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                         result = run(targets, 1.0, args.rounds, 0, command, settle=settle)
                         threads = _torch_threads(started[0].url)
                     report[phase] = {"dtype": dtype, "workloads": result["workloads"],
-                                     "verdicts": verdicts(result["workloads"]), "kvops_torch_threads_at_end": threads,
+                                     "verdicts": verdicts(result["workloads"], phase == TARGETED_PHASE),
+                                     "kvops_torch_threads_at_end": threads,
                                      "kvops_compile": _compile_state(started[0].url), "settle": settle.summary()}
                     save()
                 if dtype == "float32" and not args.no_sweeps:
