@@ -118,7 +118,7 @@ class LlamaModel:
             layer.down = w(p + "mlp.down_proj.weight")
             self.layers.append(layer)
         # Chosen on these weights, as a decode step reads them, the head included (engine/linear.py).
-        self._matmul_weights = [*(w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)),
+        self.matmul_weights = [*(w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)),
                                 self.lm_head]
 
         inv_freq, scaling = _rope_inv_freq(config)
@@ -182,7 +182,7 @@ class LlamaModel:
                 out = ops.gemv(x, w)
                 return out if b is None else out + b
 
-        self._linear_name, self.linear = select_linear(self.device, self.dtype, self._matmul_weights, compiled)
+        self._linear_name, self.linear = select_linear(self.device, self.dtype, self.matmul_weights, compiled)
         self._dispatch = self.linear if isinstance(self.linear, LinearDispatch) else None
 
     @staticmethod

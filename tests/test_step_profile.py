@@ -31,10 +31,10 @@ def test_a_decode_step_splits_into_phases_and_op_groups(llm):
     assert 500 < report["weight_mb"] < 560 and report["read_gb_s"] > 0
     assert report["step_floor_ms"] == pytest.approx(report["weight_mb"] / report["read_gb_s"], rel=0.02)
     assert 0 < report["share_of_best_read"] == pytest.approx(report["step_floor_ms"] / report["step_ms"], abs=0.002)
-    # The paired pass: one pair (2 steps, then the read rate), its share the headline; the best read of the run
-    # bounds every pair's rate, so no pair's limit is below the run's floor.
     # the matmuls' weights (the embedding once, as the head), summed one after another
     assert report["weights_summed_by_matrix_ms"] > 0
+    # The paired pass: one pair (2 steps, then the read rate), its share the headline; the best read of the run
+    # bounds every pair's rate, so no pair's limit is below the run's floor.
     [pair] = report["pairs"]
     assert report["share_of_limit"] == pair["share"] > 0 and 0 < pair["read_gb_s"] <= report["read_gb_s"]
     assert pair["share"] == pytest.approx(report["weight_mb"] / pair["read_gb_s"] / pair["step_ms"], rel=0.02)

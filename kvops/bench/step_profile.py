@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import statistics
 import sys
@@ -200,9 +201,7 @@ def profile_offline(context: int | None, steps: int, max_tokens: int, llm: Any =
         llm.generate([[p[0] + 2 + run, *p[1:]] for p in prompts], params)
         offline_s = min(offline_s, time.perf_counter() - started)
 
-    def decode_steps(n: int, timer: PhaseTimer | None = None, around: Any = None,
-                     pause: Callable[[float], None] | None = None, every: int = 0) -> float:
-        return _decode_steps(engine, prompts, params, n, timer, around, pause, every)
+    decode_steps = functools.partial(_decode_steps, engine, prompts, params)
 
     timer = PhaseTimer(engine)
     try:
@@ -222,7 +221,7 @@ def profile_offline(context: int | None, steps: int, max_tokens: int, llm: Any =
     forward_ms = phases["forward"] / steps * 1000
     contexts = [len(p) for p in prompts]
     bandwidth = max(read_bandwidth(), *(pair["read_gb_s"] * 1e9 for pair in paired))
-    by_matrix_s = read_by_matrix(engine.model._matmul_weights)
+    by_matrix_s = read_by_matrix(engine.model.matmul_weights)
     floor_ms = weight_bytes / bandwidth * 1000
     return {
         "workload": (f"{shared_prefix}-token shared prefix + a question" if shared_prefix else
