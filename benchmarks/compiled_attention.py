@@ -2,7 +2,7 @@
 
 `python benchmarks/compiled_attention.py` times one layer's decode attention of SmolLM2-135M's shape (9 query heads,
 3 KV heads, head_dim 64, fp32, 16-token blocks) for a few batches: one stream, 16 chats, 16 long contexts, and 16
-rows sharing a long prefix (where the reference reads the prefix once for all rows, kernels/cascade_attention.py).
+rows sharing a long prefix (where the reference reads the prefix once for all rows, kvops/kernels/cascade_attention.py).
 Prints the median time of each and the ratio. docs/benchmarks.md records a run.
 """
 

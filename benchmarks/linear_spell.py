@@ -1,7 +1,7 @@
 """A start measured in a busy spell, and the engine's matmul choice measured again while serving.
 
 `python benchmarks/linear_spell.py [--burners 2] [--seconds 100]` keeps `--burners` CPU-bound processes running
-while the engine starts (its matmul backends are measured then: engine/linear.py), kills them once it is up, then
+while the engine starts (its matmul backends are measured then: kvops/engine/linear.py), kills them once it is up, then
 serves one stream (64 greedy tokens a request) for `--seconds`, printing tokens per second and the matmul split
 after each request. The engine's log shows the start's measurement, the re-measurement a minute in, and any
 change of backend. docs/engine.md records a run.

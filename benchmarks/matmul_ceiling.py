@@ -3,7 +3,7 @@
 `python benchmarks/matmul_ceiling.py` times, on SmolLM2-135M's projection and head shapes (fp32, 30 layers, random
 weights, 539 MB):
 
-- one pass over every weight at 1, 2, 4, 8 and 16 rows with the compiled matmul (engine/step_matmul.cpp's `gemv`),
+- one pass over every weight at 1, 2, 4, 8 and 16 rows with the compiled matmul (kvops/engine/step_matmul.cpp's `gemv`),
   oneDNN and MKL (`F.linear`), median of 5 interleaved rounds;
 - the two ceilings that bound such a pass: reading the weights (`w.sum()` over all of them, the fastest read
   torch does) and the compiled tile's own multiply-add rate with its operands in cache (weights of 96 x 256, 16

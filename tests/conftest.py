@@ -21,10 +21,6 @@ from kvops.engine.llm import LLM
 from kvops.logs import configure_logging
 
 configure_logging("info", json_logs=False)
-# Every Python the tests start runs without the current directory on sys.path (Python's -P): from the repository
-# root, its kernels/ folder would shadow Hugging Face's `kernels`, which transformers 5.25 imports
-# (kvops/__main__.py does the same for `python -m kvops`).
-os.environ["PYTHONSAFEPATH"] = "1"
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -47,7 +43,7 @@ QUESTIONS = [
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """The compiled step (engine/compiled.py) is built before any test starts an engine: a first build takes
+    """The compiled step (kvops/engine/compiled.py) is built before any test starts an engine: a first build takes
     ~20-30 s here, and engines started later, in this process or as `kvops engine serve`, load it in
     milliseconds instead of waiting for it within their tests' start timeouts."""
     from kvops.engine.compiled import compile_step

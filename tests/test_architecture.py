@@ -1,12 +1,8 @@
 """The architecture, tested: the import contracts in pyproject.toml, no private names across modules,
 no torch for the commands that only watch remote engines, and modules of a readable size.
 
-`kvops.engine` and `kvops.kernels` live in engine/ and kernels/ (setuptools' package-dir), which
-import-linter cannot see from the kvops/ folder, editable install or not: it walks the root package's
-folder. So the contracts run on a link tree of the installed layout (kvops/ with engine/ and kernels/
-linked in as kvops/engine and kvops/kernels), what `pip install -e --config-settings
-editable_mode=strict` would build. From the command line: `python tests/test_architecture.py`
-(arguments go to lint-imports, e.g. `--verbose`).
+The contracts run on the tree itself (every package is the folder of its import name under kvops/);
+from the command line, `lint-imports` in the checkout root does the same.
 """
 
 from __future__ import annotations
@@ -26,31 +22,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = ROOT / "pyproject.toml"
-SCANNED = ("kvops", "engine", "kernels", "benchmarks")  # where no module may use another's private names
+SCANNED = ("kvops", "benchmarks")  # where no module may use another's private names
 MAX_MODULE_LINES = 450
-
-
-def package_dirs() -> dict[str, Path]:
-    """Each mapped package's folder, from pyproject.toml's [tool.setuptools.package-dir]."""
-    mapping = tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]["package-dir"]
-    return {package: ROOT / folder for package, folder in mapping.items()}
-
-
-def build_link_tree(dest: Path) -> Path:
-    """`dest` holding the packages as they are installed: a package with mapped subpackages is a real
-    folder of links to its files, the mapped subpackages are links to their own folders."""
-    dirs = package_dirs()
-    for package in sorted(dirs, key=lambda name: name.count(".")):
-        target = dest.joinpath(*package.split("."))
-        children = {name.rpartition(".")[2] for name in dirs if name.rpartition(".")[0] == package}
-        if not children:
-            target.symlink_to(dirs[package], target_is_directory=True)
-            continue
-        target.mkdir(parents=True)
-        for entry in dirs[package].iterdir():
-            if entry.name not in children and entry.name != "__pycache__":
-                (target / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
-    return dest
 
 
 def lint_imports_executable() -> str | None:
@@ -59,9 +32,9 @@ def lint_imports_executable() -> str | None:
 
 
 def run_lint_imports(tree: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """lint-imports on the kvops package under `tree` (the checkout, or a copy of its kvops/)."""
     executable = lint_imports_executable()
     assert executable is not None
-    # lint-imports puts its working directory first on sys.path: run in the tree, kvops is found there.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([executable, str(PYPROJECT), "--no-cache", *args], cwd=tree, env=env,
                           capture_output=True, text=True, timeout=300, check=False)
@@ -85,26 +58,21 @@ def verdicts(output: str) -> dict[str, str]:
     return found
 
 
+def copy_of_the_package(dest: Path) -> Path:
+    """`dest` holding a copy of kvops/, for the tests that plant a module without touching the checkout."""
+    shutil.copytree(ROOT / "kvops", dest / "kvops", ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
 def plant(tree: Path, module: str, source: str) -> None:
-    """Write `module` (dotted) into the link tree with `source`. The folders on the way that are links
-    into the repository become real folders of links first, so the repository itself is not touched."""
-    folder = tree
-    for part in module.split(".")[:-1]:
-        folder = folder / part
-        if folder.is_symlink():
-            real = folder.resolve()
-            folder.unlink()
-            folder.mkdir()
-            for entry in real.iterdir():
-                if entry.name != "__pycache__":
-                    (folder / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
-    (folder / f"{module.rpartition('.')[2]}.py").write_text(source)
+    """Write `module` (dotted, its package already in the tree) with `source`."""
+    tree.joinpath(*module.split(".")).with_suffix(".py").write_text(source)
 
 
 def test_import_contracts_hold(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     if lint_imports_executable() is None:
         pytest.skip("lint-imports (import-linter, in the test extra) is not installed")
-    result = run_lint_imports(build_link_tree(tmp_path / "tree"))
+    result = run_lint_imports(ROOT)
     found = verdicts(result.stdout)
     with capsys.disabled():  # in CI's log even when every contract holds
         print("\nimport contracts:\n" + "\n".join(f"  {verdict:6} {name}" for name, verdict in found.items()))
@@ -117,7 +85,7 @@ def test_an_upward_import_breaks_the_layers_contract(tmp_path: Path) -> None:
     """An adapter that imports the rules (a layer above it) is reported, by the layers contract alone."""
     if lint_imports_executable() is None:
         pytest.skip("lint-imports (import-linter, in the test extra) is not installed")
-    tree = build_link_tree(tmp_path / "tree")
+    tree = copy_of_the_package(tmp_path / "tree")
     plant(tree, "kvops.adapters.upward", "import kvops.rules\n")
     result = run_lint_imports(tree)
     layers = next(contract["name"] for contract in contracts() if contract["type"] == "layers")
@@ -129,25 +97,40 @@ def test_an_upward_import_breaks_the_layers_contract(tmp_path: Path) -> None:
     assert not (ROOT / "kvops" / "adapters" / "upward.py").exists()
 
 
-def test_the_link_tree_has_the_engine_and_the_kernels(tmp_path: Path) -> None:
-    tree = build_link_tree(tmp_path / "tree")
-    assert (tree / "kvops" / "engine" / "__init__.py").is_file()
-    assert (tree / "kvops" / "kernels" / "__init__.py").is_file()
-    assert (tree / "kvops" / "cli.py").is_file()
+def test_every_package_is_the_folder_of_its_import_name() -> None:
+    """No package-dir mapping and no package list, and no package folder at the top of the checkout, where it
+    would shadow a PyPI package of the same name whenever the checkout leads sys.path (a top-level `kernels/`
+    once hid Hugging Face's `kernels` from transformers)."""
+    setuptools = tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]
+    assert "package-dir" not in setuptools, setuptools["package-dir"]
+    assert list(setuptools["packages"]) == ["find"], "packages are found, not listed: a list drifts"
+    top = sorted(entry.name for entry in ROOT.iterdir()
+                 if entry.is_dir() and (entry / "__init__.py").is_file() and entry.name not in ("kvops", "tests"))
+    assert top == [], f"package folders at the top of the checkout: {top}"
+    assert (ROOT / "kvops" / "engine" / "__init__.py").is_file()
+    assert (ROOT / "kvops" / "kernels" / "__init__.py").is_file()
+
+
+def test_the_checkout_root_shadows_nothing_transformers_imports() -> None:
+    """`python -c` from the checkout root puts it first on sys.path; transformers must still find its own
+    dependencies (Hugging Face's `kernels` among them), with no PYTHONSAFEPATH or -P to hide anything."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    done = subprocess.run([sys.executable, "-c", "import transformers.activations"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 # ------------------------------------------------------------------------------ private names
 
 
 def _modules() -> dict[str, Path]:
-    """Every module of kvops by its dotted name, in the installed layout."""
+    """Every module of kvops by its dotted name."""
     found: dict[str, Path] = {}
-    for package, folder in package_dirs().items():
-        for file in folder.rglob("*.py"):
-            parts = list(file.relative_to(folder).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            found[".".join([package, *parts])] = file
+    for file in (ROOT / "kvops").rglob("*.py"):
+        parts = list(file.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = file
     return found
 
 
@@ -306,18 +289,15 @@ def test_watching_remote_engines_does_not_import_torch(case: str, tmp_path: Path
 
 def test_modules_are_small_enough_to_read() -> None:
     sizes = {file.relative_to(ROOT): len(file.read_text().splitlines())
-             for folder in package_dirs().values() for file in folder.rglob("*.py")}
+             for file in (ROOT / "kvops").rglob("*.py")}
     offenders = [f"{path}: {lines} lines" for path, lines in sorted(sizes.items()) if lines > MAX_MODULE_LINES]
     assert not offenders, f"modules over {MAX_MODULE_LINES} lines (split them by job):\n" + "\n".join(offenders)
 
 
 if __name__ == "__main__":
-    import tempfile
-
     if lint_imports_executable() is None:
         sys.exit("lint-imports is not installed: pip install -e '.[test]'")
-    with tempfile.TemporaryDirectory() as scratch:
-        outcome = run_lint_imports(build_link_tree(Path(scratch) / "tree"), *sys.argv[1:])
+    outcome = run_lint_imports(ROOT, *sys.argv[1:])
     print(outcome.stdout, end="")
     print(outcome.stderr, end="", file=sys.stderr)
     sys.exit(outcome.returncode)

@@ -1,4 +1,4 @@
-"""The compiled step (engine/compiled.py, engine/step_*.cpp) against the unfused ops it replaces.
+"""The compiled step (kvops/engine/compiled.py, kvops/engine/step_*.cpp) against the unfused ops it replaces.
 
 The ops are built with this machine's compiler the first time (~20-30 s here) and loaded from the cache after,
 so the session pays for one build at most; every engine the other tests start reuses it (`--compile auto`).
@@ -36,7 +36,7 @@ def ops():
 
 def _qkv(tokens: int, heads: int, kv_heads: int, d: int, dtype: torch.dtype, transposed: bool) -> torch.Tensor:
     x = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=torch.Generator().manual_seed(tokens)) * 2
-    # oneDNN's projection comes back as a transposed view (engine/linear.py): the op reads its strides
+    # oneDNN's projection comes back as a transposed view (kvops/engine/linear.py): the op reads its strides
     return x.to(dtype).t().contiguous().t() if transposed else x.to(dtype)
 
 

@@ -39,7 +39,7 @@ def _run_interpreted(select: str, *options: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "KVOPS_KERNELS"} | {"TRITON_INTERPRET": "1"}
     root = Path(__file__).resolve().parent.parent
     # hypothesis's plugin is not needed there and costs a few seconds of start-up on two cores.
-    command = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-x",
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-x",
                "-k", select, *options, __file__]
     child = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=1800)
     assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]

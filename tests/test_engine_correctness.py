@@ -16,7 +16,7 @@ def _mismatches(outputs: list[list[int]], expected: list[list[int]]) -> list[int
     return [i for i, (got, want) in enumerate(zip(outputs, expected, strict=True)) if got != want]
 
 
-# The compiled step (--compile, engine/compiled.py) and the unfused one; the other tests here run at the default,
+# The compiled step (--compile, kvops/engine/compiled.py) and the unfused one; the other tests here run at the default,
 # auto, which compiles where a C++ compiler is present, as in CI.
 @pytest.mark.parametrize(
     ("block_size", "prefix_caching", "compile"),
@@ -40,7 +40,7 @@ def test_prefix_cache_hits_give_the_same_tokens(chat_prompts, hf_greedy):
     assert _mismatches([o.token_ids for o in again], hf_greedy) == []
     snap = llm.engine.snapshot(include_gpu=False)
     # The first round hits too: its requests share the chat template's system prompt, and those admitted
-    # after the first wait a step for its blocks instead of computing them again (engine/scheduler.py).
+    # after the first wait a step for its blocks instead of computing them again (kvops/engine/scheduler.py).
     assert sum(o.num_cached_tokens for o in first) > 0
     assert snap.prefix_cache.hits_total == sum(o.num_cached_tokens for o in first + again)
 

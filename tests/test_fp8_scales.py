@@ -160,7 +160,7 @@ def test_triton_path_reads_the_same_per_layer_scales():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     root = Path(__file__).resolve().parent.parent
-    child = subprocess.run([sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k",
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k",
                             "interpreted", __file__], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
     assert "2 passed" in child.stdout.strip().splitlines()[-1]

@@ -36,7 +36,7 @@ TOLERANCE = {"auto": 2e-5, "int8": 2e-5, "fp8": 2e-5, "int4": 2e-5}  # same dequ
 def test_triton_kernels_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     root = Path(__file__).resolve().parent.parent
-    child = subprocess.run([sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", __file__],
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", __file__],
                            cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
     summary = child.stdout.strip().splitlines()[-1]

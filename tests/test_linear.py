@@ -1,4 +1,4 @@
-"""The matmul backend the engine picks (engine/linear.py): the split from measured timings, the medians of
+"""The matmul backend the engine picks (kvops/engine/linear.py): the split from measured timings, the medians of
 interleaved rounds that a slow spell does not move, the measurement taken again while serving when the steps drift
 from it, or when it is due in the idle time of a quiet machine, the KVOPS_LINEAR override, and that whichever path
 a row count takes computes F.linear's values."""
@@ -147,7 +147,7 @@ def _dispatch(start: linear.Timings, measured: linear.Timings, backends: dict[st
     def measure(weights):
         measures.append(len(weights))
         return linear.split_from(measured, linear.probe_rows_for(backends)), measured
-        yield  # a generator, as engine/linear.py's measuring is: this one ends at its first slice
+        yield  # a generator, as kvops/engine/linear.py's measuring is: this one ends at its first slice
 
     dispatch = linear.LinearDispatch([torch.zeros(8, 4)], backends, start, measure=measure, clock=lambda: clock[0])
     return dispatch, clock, measures

@@ -1,6 +1,6 @@
 """Requests behind one long prefix, all arriving together: the prefix is computed once (the later ones wait a
 step for the prefix cache instead of computing the same blocks beside the first), decode reads the shared
-blocks once for all of them (kernels/cascade_attention.py), and greedy outputs stay transformers' own."""
+blocks once for all of them (kvops/kernels/cascade_attention.py), and greedy outputs stay transformers' own."""
 
 from __future__ import annotations
 

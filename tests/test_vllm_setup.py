@@ -145,7 +145,6 @@ def test_server_command_and_environment(tmp_path):
     assert "--block-size 16" in joined and "--no-enable-prefix-caching" in joined and "--port 8200" in joined
     env = server_env(settings, base={"VLLM_CPU_KVCACHE_SPACE": "9"})
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_USE_AOT_COMPILE"] == "0"
-    assert env["PYTHONSAFEPATH"] == "1"
     small = ServerSettings(model=tmp_path, kv_cache_memory_bytes=64 * 2**20)
     # vLLM reads the variable as whole GiB and lets it override the flag, so a smaller budget must drop it.
     assert "VLLM_CPU_KVCACHE_SPACE" not in server_env(small, base={"VLLM_CPU_KVCACHE_SPACE": "1"})

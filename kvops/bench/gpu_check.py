@@ -169,8 +169,7 @@ def _child_env(device: str) -> dict[str, str]:
 def run_part(name: str, args: argparse.Namespace, budget_s: float, workdir: Path) -> dict[str, Any]:
     """One part in a child process, killed (its whole process group) at `budget_s`."""
     out, log_path = workdir / f"{name}.json", workdir / f"{name}.log"
-    # -P: not the current directory on sys.path (kvops/__main__.py says why: a checkout's kernels/ folder).
-    command = [sys.executable, "-P", "-m", "kvops.bench.gpu_check", "--child", name, "--child-out", str(out),
+    command = [sys.executable, "-m", "kvops.bench.gpu_check", "--child", name, "--child-out", str(out),
                "--device", args.device, *(["--smoke"] if args.smoke else [])]
     started = time.monotonic()
     with open(log_path, "wb") as log:

@@ -100,7 +100,7 @@ def servers(workdir: Path, cores: int, vllm_python: Path, dtype: str = "float32"
         process = start_engine_server(port, ["--kv-cache-memory", str(KV_BYTES), "--max-model-len",
                                              str(MAX_MODEL_LEN), "--dtype", dtype], log)
         started.append(Started("kvops", f"http://127.0.0.1:{port}", process, path))
-        # Up before the vLLMs start: kvops times its matmul backends while it loads (engine/linear.py), and beside
+        # Up before the vLLMs start: kvops times its matmul backends while it loads (kvops/engine/linear.py), and beside
         # two vLLM servers loading it timed 3-10x slow passes and chose oneDNN for 2 rows, where MKL wins quiet.
         ready(started[0])
         for name, omp in (("vllm", None), ("vllm-omp", str(cores))):

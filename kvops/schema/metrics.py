@@ -207,7 +207,7 @@ SNAPSHOT_METRICS: tuple[SnapshotMetric, ...] = (
        "Blocks swapped in per second over the snapshot window."),
     _g("swap_rate", "swap.window.swap_rate", "ratio",
        "Blocks swapped out per block allocated over the snapshot window (0..1+)."),
-    # tenants: the engine caps the `tenant` label (engine/metrics.py, TenantLabels)
+    # tenants: the engine caps the `tenant` label (kvops/engine/metrics.py, TenantLabels)
     _g("tenant_blocks", f"tenants.{EACH}.blocks_held", BLOCKS, "Blocks held by the tenant's live sequences.",
        labels=("tenant",)),
     # The supervisor republishes these for every engine that reports tenants, or has a gateway that does

@@ -127,7 +127,7 @@ def _gpu_families(engines: list[tuple[str, Snapshot]]) -> Iterator[Metric]:
 def _tenant_families(engines: list[tuple[str, Snapshot]],
                      labels: Mapping[str, TenantLabels]) -> Iterator[Metric]:
     """Each engine's tenants where it reports them: a tenant label per tenant up to the engine's limit, heaviest
-    first by prompt tokens when first seen, the rest summed as tenant="other" (engine/metrics.py's TenantLabels:
+    first by prompt tokens when first seen, the rest summed as tenant="other" (kvops/engine/metrics.py's TenantLabels:
     tenant names come from clients, and a series must never move between a tenant and "other")."""
     families = {row.stem: _family(row, [*ENGINE_LABELS, "tenant"]) for row in TENANT_SERIES}
     for engine, snap in engines:

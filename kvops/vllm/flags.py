@@ -174,7 +174,7 @@ def resolve_python(configured: str | None) -> Path:
 
 def _ask(python: Path, code: str, timeout_s: float) -> Any:
     """Run `code` with `python` in a neutral directory; the JSON it printed after the mark, or ConfigError."""
-    env = dict(os.environ, PYTHONSAFEPATH="1", VLLM_LOGGING_LEVEL="ERROR")
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")
     try:
         done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=timeout_s,
                               env=env, check=False, cwd=neutral_cwd())

@@ -72,9 +72,8 @@ def default_venv_dir() -> Path:
 def neutral_cwd() -> Path:
     """An empty directory to run vLLM's interpreter in.
 
-    `python -m` and `python -c` put the current directory first on sys.path, and transformers probes for a
-    package named `kernels`: started from kvops's source tree, it imports kvops's own `kernels/` folder and
-    vLLM dies at import. PYTHONSAFEPATH=1 (Python 3.11+) prevents that too; the empty folder covers 3.10.
+    Not the caller's: vLLM writes caches and compile artifacts relative to it, and `python -c` puts it first
+    on sys.path, where any folder named like a package vLLM imports would be found first.
     """
     path = Path(tempfile.gettempdir()) / "kvops-vllm-cwd"
     path.mkdir(exist_ok=True)
@@ -91,7 +90,7 @@ def probe_vllm(python: Path, timeout_s: float = PROBE_TIMEOUT_S) -> VllmStatus:
     """Whether `python` can import vLLM, and its version; never raises."""
     if not python.exists():
         return VllmStatus(python, False, detail=f"there is no interpreter at {python}")
-    env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR", PYTHONSAFEPATH="1")
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")
     try:
         done = subprocess.run([str(python), "-c", _PROBE_CODE], capture_output=True, text=True,
                               timeout=timeout_s, env=env, check=False, cwd=neutral_cwd())

@@ -81,7 +81,6 @@ def server_env(settings: ServerSettings, base: Mapping[str, str] | None = None) 
     else:
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env["VLLM_USE_AOT_COMPILE"] = "0"
-    env["PYTHONSAFEPATH"] = "1"  # see neutral_cwd: the caller's directory must not shadow vLLM's imports
     return env
 
 

@@ -5,7 +5,7 @@ vLLM's CPU build cannot load that GGUF, so it is dequantized once to fp32 and sa
 ~/.cache/kvops/models/... A marker file written last says the export is complete; a folder without it (an
 interrupted export) is redone. Nothing is downloaded: the GGUF is already on disk.
 
-The directory differs from the one the kvops engine converts for itself (engine/weights.py): vLLM needs
+The directory differs from the one the kvops engine converts for itself (kvops/engine/weights.py): vLLM needs
 `architectures` in config.json, which only `save_pretrained` of a model class writes, and the keys that
 older transformers releases read (vLLM pins its own), so it is exported here on its own.
 """

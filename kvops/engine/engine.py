@@ -266,9 +266,9 @@ class LLMEngine:
 
     def idle(self) -> bool:
         """Work for the step loop while no request waits. It reads the CPU for the thread count of the next
-        request's first step (engine/threads.py), and runs a slice of a due matmul measurement (engine/linear.py)
-        only while other processes leave every core free and the engine uses them all. True when it ran one:
-        check for requests, then call again."""
+        request's first step (threads.py), and runs a slice of a due matmul measurement (linear.py) only while
+        other processes leave every core free and the engine uses them all. True when it ran one: check for
+        requests, then call again."""
         others_busy = self.threads.idle(read_cpu())
         dispatch = self.model.linear_dispatch
         if dispatch is None or not dispatch.wants_idle():

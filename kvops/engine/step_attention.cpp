@@ -1,5 +1,5 @@
 // Decode attention over the paged cache, in place: each row's K and V read through its block table, nothing
-// gathered into a copy first (engine/compiled.py builds it with the other engine/step_*.cpp).
+// gathered into a copy first (kvops/engine/compiled.py builds it with the other kvops/engine/step_*.cpp).
 
 #include "step_kernels.h"
 

@@ -1,5 +1,5 @@
-// The compiled step's float32 matmul, x [rows, k] @ w [n, k]^T, at the few rows of a decode step (engine/compiled.py
-// builds it with the other engine/step_*.cpp; engine/linear.py measures it against MKL and oneDNN).
+// The compiled step's float32 matmul, x [rows, k] @ w [n, k]^T, at the few rows of a decode step (kvops/engine/compiled.py
+// builds it with the other kvops/engine/step_*.cpp; kvops/engine/linear.py measures it against MKL and oneDNN).
 
 #include "step_kernels.h"
 

@@ -68,7 +68,7 @@ class LlamaModel:
 
     def __init__(self, config: Any, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
                  max_positions: int, device: torch.device | None = None, ops: Any = None) -> None:
-        """`ops`: the compiled step's ops (engine/compiled.py), or None for the unfused step."""
+        """`ops`: the compiled step's ops (kvops/engine/compiled.py), or None for the unfused step."""
         sliding = getattr(config, "sliding_window", None)
         if sliding and getattr(config, "use_sliding_window", True) and sliding < max_positions:
             raise ConfigError(
@@ -117,7 +117,7 @@ class LlamaModel:
             layer.gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
             layer.down = w(p + "mlp.down_proj.weight")
             self.layers.append(layer)
-        # Chosen on these weights, as a decode step reads them, the head included (engine/linear.py).
+        # Chosen on these weights, as a decode step reads them, the head included (kvops/engine/linear.py).
         self.matmul_weights = [*(w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)),
                                 self.lm_head]
 
@@ -141,7 +141,7 @@ class LlamaModel:
 
     @property
     def linear_backend(self) -> str:
-        """The matmul backend split now (it can change while serving: engine/linear.py)."""
+        """The matmul backend split now (it can change while serving: kvops/engine/linear.py)."""
         return self._dispatch.name if self._dispatch is not None else self._linear_name
 
     @property
@@ -170,8 +170,8 @@ class LlamaModel:
         return weight * h.to(x.dtype)
 
     def use_compiled(self, ops: Any) -> None:
-        """Run the step with the compiled ops (engine/compiled.py), or unfused again with None; the matmul
-        backends are measured (engine/linear.py), the compiled fp32 matmul among them."""
+        """Run the step with the compiled ops (kvops/engine/compiled.py), or unfused again with None; the matmul
+        backends are measured (kvops/engine/linear.py), the compiled fp32 matmul among them."""
         self.ops = ops
         # decode_layers takes the layers' weights as one flat list, seven a layer
         self._layer_weights = [w for layer in self.layers for w in (

@@ -1,4 +1,4 @@
-// What the compiled step's sources (engine/step_*.cpp, built together by engine/compiled.py) share.
+// What the compiled step's sources (kvops/engine/step_*.cpp, built together by kvops/engine/compiled.py) share.
 
 #pragma once
 
@@ -65,12 +65,12 @@ inline float sum8(__m256 v) {
 
 #endif
 
-// engine/step_attention.cpp
+// kvops/engine/step_attention.cpp
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
                         const at::Tensor& lens, double scale);
 void prefetch_kv(const at::Tensor& cache, const at::Tensor& tables, const at::Tensor& lens);
 
-// engine/step_matmul.cpp
+// kvops/engine/step_matmul.cpp
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w);
 
 }  // namespace kvops_step

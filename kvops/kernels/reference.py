@@ -156,7 +156,7 @@ def _decode_buckets(meta: AttentionMetadata, row_cost: int) -> list[_Bucket]:
 
 def paged_decode_attention(q: torch.Tensor, layer: KVCacheLayer, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [num_decodes, heads, head_dim] attends over each sequence's whole context in the paged cache; rows
-    that share prefix blocks read them once (kernels/cascade_attention.py)."""
+    that share prefix blocks read them once (kvops/kernels/cascade_attention.py)."""
     plan = cascade_attention.plan(meta)
     if plan is None:
         return _plain_decode(q, layer, meta, scale)

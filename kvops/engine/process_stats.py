@@ -61,7 +61,7 @@ def _torch_index(device: str) -> int:
 
 class Nvml:
     """NVML for this process: initialised on the first GPU read and kept (NVML counts its inits, so the
-    init/shutdown pairs elsewhere, e.g. engine/device.py, leave it running). A failed init is remembered rather
+    init/shutdown pairs elsewhere, e.g. kvops/engine/device.py, leave it running). A failed init is remembered rather
     than retried per snapshot: a driver does not appear while the engine runs. Reads are serialised, because
     `/stats` and `/metrics` may build snapshots at once."""
 

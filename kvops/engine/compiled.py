@@ -1,4 +1,4 @@
-"""The compiled engine step (`--compile auto|on|off`): engine/step_*.cpp, built at engine start.
+"""The compiled engine step (`--compile auto|on|off`): kvops/engine/step_*.cpp, built at engine start.
 
 On CPU the unfused decode step runs ~35 small ops a layer from Python and gathers every sequence's K/V into a
 copy before attending; the compiled ops fuse the glue between the matmuls and read K/V in place in the paged

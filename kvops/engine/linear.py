@@ -23,13 +23,13 @@ quiet). A split that differs from the one in use is measured once more before it
 noisy moment once timed the compiled matmul at twice its time and sent one row to oneDNN. Every measurement
 and every change is logged.
 
-A measurement holds for the torch thread count it was taken at (engine/threads.py changes it while others
+A measurement holds for the torch thread count it was taken at (kvops/engine/threads.py changes it while others
 keep a core busy): a step at another count is not drift, and compared with it once made a 1-thread step
 beside a busy process look 43% slow and re-measured the backends inside a request (one stream's round 14
 instead of 31 tok/s). The dispatch keeps the split of each count it has measured and takes it back up when
 the count comes back.
 
-Where the engine runs the compiled step (engine/compiled.py) in fp32, its matmul is a third backend, measured
+Where the engine runs the compiled step (kvops/engine/compiled.py) in fp32, its matmul is a third backend, measured
 in the same interleaved rounds up to `COMPILED_PROBE_ROWS` and watched the same way: a start measured in a busy
 spell had left it unused for the engine's life (one stream at 21 instead of 28 tok/s), since only the other
 two were measured again.
@@ -96,7 +96,7 @@ IDLE_WAIT_S = 60.0
 # went on between the steps of one stream's request (3.2 s instead of 1.4).
 IDLE_BUSY_WAIT_S = 600.0
 # Quiet enough to measure in: other processes' work below this many CPUs. Stricter than a core taken
-# (engine/threads.py): one ran beside two vLLMs settling after their start, under half a core between readings,
+# (kvops/engine/threads.py): one ran beside two vLLMs settling after their start, under half a core between readings,
 # and timed every backend ~1.5x slow (oneDNN at 16 rows: 70 against 49 ms), which the drift then re-measured
 # inside a request.
 QUIET_BELOW_CPUS = 0.2
@@ -286,7 +286,7 @@ class LinearDispatch:
         return out
 
     def account(self, rows: int, seconds: float) -> None:
-        """`seconds` of matmuls at `rows` rows this step, timed here or by the compiled step (engine/compiled.py)."""
+        """`seconds` of matmuls at `rows` rows this step, timed here or by the compiled step (compiled.py)."""
         if rows > self.probe_rows[-1]:
             self._step_rows = -1
             return

@@ -1,5 +1,5 @@
 // The compiled parts of the engine's CPU step: the glue ops, the one call for all layers and the ops' registration
-// (engine/compiled.py builds this with step_attention.cpp and step_matmul.cpp at engine start and caches it).
+// (kvops/engine/compiled.py builds this with step_attention.cpp and step_matmul.cpp at engine start and caches it).
 //
 // A decode step of a small model is mostly small ops: per layer, the unfused step ran ~35 of them from Python,
 // ~10 ms of a ~36 ms one-stream step. Here the glue between the matmuls is four ops per layer, and decode
@@ -135,7 +135,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
     auto out = at::empty({gate_up.size(0), inter}, gate_up.options());
     const float* src = gate_up.data_ptr<float>();
     float* dst = out.data_ptr<float>();
-    // oneDNN's product is a transposed view (engine/linear.py): its columns are gathered eight at a time
+    // oneDNN's product is a transposed view (kvops/engine/linear.py): its columns are gathered eight at a time
     const int64_t rows = gate_up.size(0), s0 = gate_up.stride(0), s1 = gate_up.stride(1);
     at::parallel_for(0, rows, std::max<int64_t>(1, kGrainFlops / (8 * inter)), [&](int64_t begin, int64_t end) {
       alignas(32) float g8[8], u8[8];
@@ -163,7 +163,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
 }
 
-// (W @ x^T)^T through oneDNN, as engine/linear.py's _onednn_linear computes it: a transposed view.
+// (W @ x^T)^T through oneDNN, as kvops/engine/linear.py's _onednn_linear computes it: a transposed view.
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -175,8 +175,8 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
 
 // The decoder layers of a step whose every token decodes, with every layer's cache in the model dtype: one call
 // instead of one per op. `layers` holds seven tensors a layer (input norm, qkv, qkv bias or None, o, post norm,
-// gate_up, down); `onednn` picks the matmul backend engine/linear.py chose for this row count, `gemv` this file's
-// own (measured faster at this row count when the step was loaded: engine/compiled.py). Returns the
+// gate_up, down); `onednn` picks the matmul backend kvops/engine/linear.py chose for this row count, `gemv` this file's
+// own (measured faster at this row count when the step was loaded: kvops/engine/compiled.py). Returns the
 // residual stream after the last layer and the seconds spent in matmuls (the dispatch's drift watch reads them).
 std::tuple<at::Tensor, double> decode_layers(at::Tensor x, const c10::List<std::optional<at::Tensor>>& layers,
                                              const std::vector<at::Tensor>& caches, const at::Tensor& positions,
