@@ -1,4 +1,4 @@
-"""Faults of the alert path itself (issue 19): each is injected for real (HTTP receivers on 127.0.0.1 that
+"""Faults of the alert path itself: each is injected for real (HTTP receivers on 127.0.0.1 that
 refuse, fail or hang; damaged state files on disk; unset secrets), and each test shows that kvops keeps
 running, loses no alert, and tells someone: a dead letter, a self diagnosis delivered by the receivers
 that still work, /metrics and the API.

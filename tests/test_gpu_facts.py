@@ -1,4 +1,4 @@
-"""GPU facts (issue 20): NVML read into the snapshot, and shown by /metrics, the supervisor, doctor and top.
+"""GPU facts: NVML read into the snapshot, and shown by /metrics, the supervisor, doctor and top.
 
 There is no GPU on the machines these tests run on, so NVML is `FakeNvml`: a stand-in `pynvml` module with
 just the functions kvops calls, put in `sys.modules` for the test. It checks kvops's mapping (which GPU is

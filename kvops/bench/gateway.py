@@ -12,7 +12,7 @@ A second row, clearly labelled `stub`, repeats the measurement in front of a tri
 its own process that streams its tokens at once), so the gateway's own cost shows apart from vLLM's noise; the
 gateway process's CPU time per request is read on both rows.
 
-Issue 32's targets: added p50 latency at most 1 ms, added p50 TTFT at most 2 ms, throughput at least 97% of direct.
+The targets: added p50 latency at most 1 ms, added p50 TTFT at most 2 ms, throughput at least 97% of direct.
 """
 
 from __future__ import annotations

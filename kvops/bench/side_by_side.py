@@ -19,7 +19,7 @@ busy for about a second after each request):
    comparison workloads on the quiet machine (phase ``quiet_bf16``).
 
 It writes one JSON report, and with matplotlib (``pip install 'kvops[bench]'``) the two scaling plots as PNG.
-The table checks issue 21's ratios against the better of the two vLLMs, workload by workload.
+The table checks the target ratios (TARGETS) against the better of the two vLLMs, workload by workload.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ CONTEXT_LENGTHS = (128, 256, 512, 1024, 1536)
 SWEEP_TOKENS = 32
 DTYPES = ("float32", "bfloat16")
 PHASES = ("quiet", "busy_core", "quiet_bf16")
-# (workload, the least ratio to the better vLLM issue 21 asks for); they hold for the quiet fp32 phase only
+# (workload, the least ratio to the better vLLM that kvops aims for); they hold for the quiet fp32 phase only
 TARGETS = {"stream": 1.5, "chats": 2.0, "shared-prefix": 2.0}
 TARGETED_PHASE = "quiet"
 

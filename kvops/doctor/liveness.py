@@ -16,17 +16,17 @@ from kvops.adapters import Scrape, ScrapeError
 from kvops.adapters.engine_client import EngineUnreachable
 from kvops.doctor.report import Check, Status
 from kvops.doctor.validator import Examined
-from kvops.kinds import PROFILES, Capability, Remedy, detect, model_card, profile
-from kvops.kinds.client import ENABLE_METRICS, WatchedEngineClient, metrics_switches
+from kvops.kinds import ENABLE_METRICS, PROFILES, Capability, Remedy, detect, metrics_switches, model_card, profile
 from kvops.schema.reports import BlockSizeProfile, KVQuantProfile
 from kvops.schema.snapshot import Snapshot
+from kvops.watching import WatchedEngineClient
 
 SECTION = "Liveness"
 SLOW_FIRST_TOKEN_S = 5.0  # an idle server taking longer than this for one token is worth a look
 LOCAL_URL = "http://127.0.0.1:8000"  # `kvops engine serve`'s default address
 SUPERVISOR_URL = "http://127.0.0.1:9400"  # `kvops run`'s default address: its engines are local ones too
 SAMPLES = 3
-SAMPLE_INTERVAL_S = 0.5  # three snapshots over 1 s: the whole doctor stays under 2 s (issue 21)
+SAMPLE_INTERVAL_S = 0.5  # three snapshots over 1 s: the whole doctor stays under 2 s
 PROFILE_REPEATS = 3  # block-size profile: enough to see a clear difference, short enough for doctor
 NEEDS_TOKEN = "needs the engine's admin token: pass --admin-token or set $KVOPS_ADMIN_TOKEN"
 
