@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -40,6 +41,16 @@ def process_tree(pid: int) -> list[psutil.Process]:
         return [root, *root.children(recursive=True)]
     except psutil.Error:
         return []
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A child process to start, as a managed engine's launcher gives it (the supervisor starts it)."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str | None = None
+    shown_from: int = 3  # argv[shown_from:] is what the log shows (not the interpreter and module)
 
 
 class NotReady(RuntimeError):

@@ -17,9 +17,9 @@ from kvops.adapters import Scrape
 from kvops.adapters.engine_client import EngineUnreachable
 from kvops.doctor.cache import evaluate
 from kvops.kinds import detect, snapshot_from_scrape
-from kvops.kinds.client import WatchedEngineClient
 from kvops.schema.errors import ConfigError
 from kvops.supervisor.config import parse_config
+from kvops.watching import WatchedEngineClient
 
 FIXTURES = Path(__file__).parent / "fixtures"
 T = 1_750_000_000.0  # the hand-written scenario's process started an hour before this

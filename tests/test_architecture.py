@@ -82,20 +82,57 @@ def test_import_contracts_hold(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_an_upward_import_breaks_the_layers_contract(tmp_path: Path) -> None:
-    """An adapter that imports the rules (a layer above it) is reported, by the layers contract alone."""
+    """A KV events module that imports the rules (a layer above it, which never reaches back, so no cycle) is
+    reported, by the layers contract alone."""
     if lint_imports_executable() is None:
         pytest.skip("lint-imports (import-linter, in the test extra) is not installed")
     tree = copy_of_the_package(tmp_path / "tree")
-    plant(tree, "kvops.adapters.upward", "import kvops.rules\n")
+    plant(tree, "kvops.events.upward", "import kvops.rules\n")
     result = run_lint_imports(tree)
     layers = next(contract["name"] for contract in contracts() if contract["type"] == "layers")
     found = verdicts(result.stdout)
     assert result.returncode != 0
     assert found.pop(layers) == "BROKEN", result.stdout
     assert set(found.values()) == {"KEPT"}, result.stdout
-    assert "kvops.adapters.upward -> kvops.rules" in result.stdout
-    assert not (ROOT / "kvops" / "adapters" / "upward.py").exists()
+    assert "kvops.events.upward -> kvops.rules" in result.stdout
+    assert not (ROOT / "kvops" / "events" / "upward.py").exists()
 
+
+
+def _contract(kind: str, name_has: str = "") -> str:
+    return next(c["name"] for c in contracts() if c["type"] == kind and name_has in c["name"])
+
+
+def test_a_cycle_between_packages_breaks_the_acyclic_contract(tmp_path: Path) -> None:
+    """The KV events package importing the supervisor, which imports it: a cycle of two packages, reported by the
+    acyclic contract as the arrow that would break it (and by the layers contract as an upward import)."""
+    if lint_imports_executable() is None:
+        pytest.skip("lint-imports (import-linter, in the test extra) is not installed")
+    tree = copy_of_the_package(tmp_path / "tree")
+    plant(tree, "kvops.events.upward", "import kvops.supervisor.config\n")
+    result = run_lint_imports(tree)
+    found = verdicts(result.stdout)
+    assert result.returncode != 0
+    assert found.pop(_contract("acyclic_siblings")) == "BROKEN", result.stdout
+    assert found.pop(_contract("layers")) == "BROKEN", result.stdout
+    assert set(found.values()) == {"KEPT"}, result.stdout
+    assert ".events -> .supervisor" in result.stdout
+
+
+def test_a_type_hint_import_up_the_stack_counts(tmp_path: Path) -> None:
+    """A profile naming the supervisor's config under TYPE_CHECKING (how a launcher's types once made the kinds
+    and the supervisor a cycle) breaks the layers, the acyclic and the profiles' purity contracts."""
+    if lint_imports_executable() is None:
+        pytest.skip("lint-imports (import-linter, in the test extra) is not installed")
+    tree = copy_of_the_package(tmp_path / "tree")
+    plant(tree, "kvops.kinds.hinted", "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                                      "    from kvops.supervisor.config import EngineSpec\n")
+    result = run_lint_imports(tree)
+    found = verdicts(result.stdout)
+    broken = {name for name, verdict in found.items() if verdict == "BROKEN"}
+    assert broken == {_contract("layers"), _contract("acyclic_siblings"), _contract("forbidden", "profiles")}, \
+        result.stdout
+    assert "kvops.kinds.hinted -> kvops.supervisor.config" in result.stdout
 
 def test_every_package_is_the_folder_of_its_import_name() -> None:
     """No package-dir mapping and no package list, and no package folder at the top of the checkout, where it

@@ -9,7 +9,7 @@ from pathlib import Path
 from kvops.adapters.prometheus import Scrape
 from kvops.bench.fleet import EXPECTED_ALERT, run_one
 from kvops.bench.fleet_engines import TROUBLES, Capture, choose_troubles
-from kvops.kinds.client import snapshot_from_scrape
+from kvops.kinds import snapshot_from_scrape
 
 
 def _snapshot(capture: Capture, elapsed: float, trouble: str | None = None, trouble_s: float = 0.0):

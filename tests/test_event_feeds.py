@@ -33,7 +33,6 @@ from kvops.events.recording import read_recording
 from kvops.events.subscriber import EventFeed
 from kvops.history import EngineHistory
 from kvops.kinds import snapshot_from_scrape
-from kvops.kinds.vllm import VllmLauncher
 from kvops.schema.errors import ConfigError
 from kvops.schema.kv_events import EventStreamHealth, KvEventStats
 from kvops.schema.snapshot import Histogram, Snapshot, decode_block_map
@@ -41,6 +40,7 @@ from kvops.supervisor import exporter
 from kvops.supervisor.api import build_supervisor_app
 from kvops.supervisor.config import parse_config
 from kvops.supervisor.event_feeds import STALE_AFTER_S, EventFeeds, with_event_blocks
+from kvops.supervisor.launchers import launcher_for
 from kvops.supervisor.supervisor import Supervisor
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -157,9 +157,9 @@ def test_a_state_dir_too_long_for_a_unix_socket_moves_the_sockets_to_a_short_fol
 
 
 def _argv(spec: Any, supported: bool | None = True) -> list[str]:
-    launcher = VllmLauncher(spec)
-    launcher.kv_events_supported = supported
-    return launcher.launch(spec, 8123, spec.args, "").argv
+    launcher = launcher_for(spec.kind, spec.start())
+    launcher.kv_events_supported = supported  # type: ignore[attr-defined]  # a VllmLauncher's
+    return launcher.launch(spec.host, 8123, spec.args, spec.drain_timeout_s, "").argv
 
 
 def _events_config(argv: list[str]) -> dict[str, Any] | None:

@@ -31,11 +31,12 @@ from kvops.kinds import (
     profile_of,
     register,
     snapshot_from_scrape,
+    unrecognised,
     unregister,
 )
-from kvops.kinds.client import unrecognised
 from kvops.rules import block_size_waste, queueing
 from kvops.schema.snapshot import Snapshot
+from kvops.supervisor.launchers import MANAGED, managed_kind
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -159,7 +160,7 @@ def test_an_unknown_kind_gets_a_neutral_profile_not_a_key_error():
     assert dict(unknown.flags) == {} and dict(unknown.remedies) == {} and dict(unknown.metrics) == {}
     assert unknown.remedy(Remedy.QUEUEING) == "" and unknown.missing_metric("requests.waiting") == ""
     assert unknown.flag("block_size", 32) == "block_size=32" and unknown.block_sizes_on("cuda:0") == ()
-    assert unknown.launcher is None and unknown.read_scrape is None
+    assert not unknown.can(Capability.MANAGED) and unknown.read_scrape is None and managed_kind(unknown.kind) is None
     assert "no-such-server" not in kinds()
     with pytest.raises(ValueError, match="no /metrics of a no-such-server server"):
         snapshot_from_scrape("no-such-server", Scrape(), T0)
@@ -168,6 +169,9 @@ def test_an_unknown_kind_gets_a_neutral_profile_not_a_key_error():
 def test_what_kvops_manages_and_what_the_kinds_say_of_themselves():
     assert kinds()[:3] == ("kvops", "vllm", "sglang")
     assert managed_kinds() == (AUTO, "kvops", "vllm")
+    # A kind whose profile says kvops manages it has a launcher, and only such a kind.
+    assert sorted(MANAGED) == sorted(kind for kind in managed_kinds() if kind != AUTO)
+    assert managed_kind(AUTO) is MANAGED["kvops"] and managed_kind("sglang") is None
     assert profile("vllm").block_sizes_on("cpu") == (32, 64, 128, 256)
     assert profile("vllm").block_sizes_on("") == (32,) and profile("sglang").block_sizes_on("cpu") == ()
     assert profile("vllm").flag("block_size", 16) == "--block-size 16"

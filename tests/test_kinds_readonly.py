@@ -25,6 +25,7 @@ from kvops.cli import main
 from kvops.kinds import PROFILES, detect, profile, snapshot_from_scrape
 from kvops.kinds.profile import Capability, Remedy
 from kvops.schema.snapshot import Snapshot
+from kvops.supervisor.launchers import managed_kind
 
 PUBLISHED = Path(__file__).resolve().parent / "fixtures" / "published"
 READ_ONLY = ("llamacpp", "tgi", "tensorrt_llm")
@@ -80,7 +81,7 @@ def test_each_scrape_is_recognised_as_its_kind_and_read_cleanly(name: str) -> No
 def test_the_read_only_kinds_are_registered_and_claim_nothing_kvops_only() -> None:
     for kind in READ_ONLY:
         found = profile(kind)
-        assert PROFILES[kind] is found and found.read_scrape is not None and found.launcher is None
+        assert PROFILES[kind] is found and found.read_scrape is not None and managed_kind(kind) is None
         assert not any(found.can(capability) for capability in Capability)
         assert all(found.remedy(situation) for situation in Remedy)  # every remedy in the server's own words
         assert "{port}" in found.remedies[Remedy.START]

@@ -99,7 +99,7 @@ class KvEvents:
 def snapshot_now(examined: Examined) -> Snapshot | None:
     """The engine read once more at the window's end (compared with the first snapshot); None: no answer."""
     from kvops.adapters.engine_client import EngineUnreachable
-    from kvops.kinds.client import WatchedEngineClient
+    from kvops.watching import WatchedEngineClient
 
     if examined.url is None or examined.kind is None:
         return None

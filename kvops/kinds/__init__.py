@@ -2,7 +2,8 @@
 
 Each module of this package defines one `EngineProfile` as `PROFILE` (kvops.kinds.profile says what one
 holds). Adding a kind is adding its module and naming it in `MODULES` below: detection, the snapshot reader,
-the rules' and doctor's remedies, the supervisor's config check and launcher all ask the registry.
+the rules' and doctor's remedies and the supervisor's config check all ask the registry. A kind kvops manages
+(Capability.MANAGED) also has a launcher, in kvops.supervisor.launchers' registry.
 """
 
 from __future__ import annotations
@@ -59,7 +60,30 @@ def managed_profile(kind: str) -> EngineProfile:
 
 def managed_kinds() -> tuple[str, ...]:
     """What a managed engine's `kind` may be."""
-    return (AUTO, *(kind for kind, found in PROFILES.items() if found.launcher is not None))
+    return (AUTO, *(kind for kind, found in PROFILES.items() if found.can(Capability.MANAGED)))
+
+
+def _listed(words: list[str], last: str) -> str:
+    return f"{', '.join(words[:-1])} {last} {words[-1]}" if len(words) > 1 else "".join(words)
+
+
+# A profile's note naming the flag without which its server exports no /metrics.
+ENABLE_METRICS = "enable_metrics"
+
+
+def metrics_switches() -> list[EngineProfile]:
+    """The kinds whose /metrics is off unless started with a flag (their note ENABLE_METRICS names it)."""
+    return [p for p in PROFILES.values() if ENABLE_METRICS in p.notes]
+
+
+def unrecognised(url: str) -> str:
+    """Why a server that answers is not one kvops reads: the kinds it knows, and what some need turned on."""
+    titles = [p.title for p in PROFILES.values()]
+    switched = metrics_switches()
+    flags = "; ".join(f"{p.title}'s {p.notes[ENABLE_METRICS]}" for p in switched)
+    needs = (f" ({_listed([p.title for p in switched], 'and')} need{'s' if len(switched) == 1 else ''} metrics "
+             f"enabled: {flags})") if switched else ""
+    return f"{url} answers, but neither /metrics nor /v1/models looks like a {_listed(titles, 'or')} server{needs}"
 
 
 def detect(scrape: Scrape | None, models: dict[str, Any] | None = None) -> EngineProfile | None:
@@ -93,6 +117,6 @@ def snapshot_from_scrape(kind: str, scrape: Scrape, t: float, models: dict[str, 
     return read(scrape, t, model_card(models), started_at)
 
 
-__all__ = ["AUTO", "MODULES", "PROFILES", "Capability", "EngineProfile", "Recognition", "Remedy", "detect", "kinds",
-           "managed_kinds", "managed_profile", "model_card", "profile", "profile_of", "register",
-           "snapshot_from_scrape", "unregister"]
+__all__ = ["AUTO", "ENABLE_METRICS", "MODULES", "PROFILES", "Capability", "EngineProfile", "Recognition", "Remedy",
+           "detect", "kinds", "managed_kinds", "managed_profile", "metrics_switches", "model_card", "profile",
+           "profile_of", "register", "snapshot_from_scrape", "unrecognised", "unregister"]

@@ -2,9 +2,10 @@
 
 Each module of `kvops.kinds` (kvops.py, vllm.py, sglang.py, ...) defines exactly one profile, and is the
 only place that knows its kind: how to recognise its server, its metric names per version, the flag that
-sets each setting and the remedy wording that names it, how to start and drain it when kvops manages it,
-and what it can do. Rules, doctor and the supervisor ask the profile of a snapshot's source; none of them
-branches on a kind's name.
+sets each setting and the remedy wording that names it, and what it can do. Rules, doctor and the supervisor
+ask the profile of a snapshot's source; none of them branches on a kind's name. A profile is data and a scrape
+reader: how kvops starts a kind it manages is its launcher's (kvops.supervisor.launchers), and how it polls a
+live server is kvops.watching's.
 """
 
 from __future__ import annotations
@@ -74,14 +75,6 @@ class EngineProfile:
     # Where the sizes it takes depend on the device (a prefix of `engine.device`: "cpu", "cuda"); `block_sizes`
     # is then what every device takes, for a snapshot that does not say which.
     block_sizes_by_device: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
-    # Managed kinds: (engine spec) -> launcher; None for the kinds kvops only watches.
-    launcher: Callable[[Any], Any] | None = None
-    # Managed kinds: checks an engine's [engines.args] (returns them; ValueError says what is wrong).
-    check_args: Callable[[dict[str, Any]], dict[str, Any]] | None = None
-    health_timeout_s: float | None = None  # a managed engine's start timeout when the config gives none
-    interpreter: bool = False  # started from the interpreter that [[engines]] `python` names
-    # Managed kinds: (engine spec, check its flags too) -> None, before kvops run starts it; ConfigError says why.
-    preflight: Callable[[Any, bool], None] | None = None
     notes: Mapping[str, str] = field(default_factory=dict)  # kind-specific wording doctor and rules quote
 
     def can(self, capability: Capability) -> bool:

@@ -19,25 +19,13 @@ the budget's unused remainder. The scrape does not say whether vLLM runs on a CP
 
 from __future__ import annotations
 
-import logging
-import sys
-from collections.abc import Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvops.adapters import common
 from kvops.adapters.names import MetricSource, Reader, ranks, table
 from kvops.adapters.prometheus import Scrape
-from kvops.kinds.launch import Launch
 from kvops.kinds.profile import Capability, EngineProfile, Recognition, Remedy
 from kvops.schema.snapshot import Snapshot
-
-if TYPE_CHECKING:
-    from kvops.adapters.engine_client import EngineClient
-    from kvops.events.endpoint import EventSource
-    from kvops.supervisor.config import EngineSpec
-
-log = logging.getLogger(__name__)
 
 KIND = "vllm"
 
@@ -76,7 +64,6 @@ METRICS = table(
 )
 CONFIG = "vllm:cache_config_info"
 UNFINISHED = ("abort", "error")  # finish reasons of requests that did not get their answer
-PROMPT_DETAILS_KEY = "enable_prompt_tokens_details"  # --enable-prompt-tokens-details, on for a vLLM kvops starts
 TTFT = "vllm:time_to_first_token_seconds"
 E2E = "vllm:e2e_request_latency_seconds"  # observed once per request that ended, whatever its finish reason
 
@@ -243,115 +230,6 @@ def _prefix_cache(read: Reader) -> None:
 # block size for 16"); kvops proposes the powers of two among them. Its GPU kernels take 8, 16 and 32.
 CPU_BLOCK_SIZES = (32, 64, 128, 256)
 GPU_BLOCK_SIZES = (8, 16, 32)
-# vLLM compiles at its first start (~4 min on 2 cores), ~1 min later.
-HEALTH_TIMEOUT_S = 600.0
-
-
-class VllmLauncher:
-    """vLLM's OpenAI server (kvops.vllm.launch) from the configured interpreter, read from /metrics through
-    this module like a watched vLLM; it has no kvops admin API, so it gets no admin token."""
-
-    kind = KIND
-    tail_streams = ("stdout", "stderr")  # vLLM logs to stdout
-
-    def __init__(self, spec: EngineSpec) -> None:
-        from kvops.vllm.flags import resolve_python  # runs the interpreter: kept out of the rules' imports
-
-        self.python: Path = resolve_python(spec.python)
-        # Whether this vLLM has KV cache events: asked at the first start that needs it (None: not yet).
-        self.kv_events_supported: bool | None = None
-
-    def event_source(self, spec: EngineSpec) -> EventSource | None:
-        """Where kvops reads this vLLM's KV events (spec.event_source: kvops's own unix sockets by default), or
-        None: off, or kvops would add them and this vLLM is older than the events. A --kv-events-config of the
-        user's own (args.kv_events_config) goes to vLLM as given, whatever its version."""
-        from kvops.vllm.launch import KV_EVENTS_KEY
-
-        source = spec.event_source()
-        if source is None or KV_EVENTS_KEY in spec.args:
-            return source
-        if self.kv_events_supported is None:
-            self.kv_events_supported = has_kv_events(self.python, spec.args)
-            if not self.kv_events_supported:
-                log.warning("the vLLM of %s has no --kv-events-config (vLLM 0.9.0 and later): engine %s runs without "
-                            "KV cache events, so kvops draws no block map for it", self.python, spec.name)
-        return source if self.kv_events_supported else None
-
-    def launch(self, spec: EngineSpec, port: int, args: Mapping[str, Any], admin_token: str) -> Launch:
-        from kvops.vllm.flags import server_settings, with_drain
-        from kvops.vllm.install import neutral_cwd
-        from kvops.vllm.launch import server_argv, server_env
-
-        # Cached prompt tokens in each response's usage (prompt_tokens_details), which a gateway in front of this
-        # vLLM counts per tenant (docs/gateway.md); `enable_prompt_tokens_details = false` in the args turns it off.
-        args = {PROMPT_DETAILS_KEY: True, **args}
-        settings = server_settings(with_drain(self._with_events(spec, args), spec.drain_timeout_s), spec.host, port)
-        env = {**server_env(settings), "PYTHONUNBUFFERED": "1"}
-        return Launch(server_argv(self.python, settings), env, str(neutral_cwd()))
-
-    def _with_events(self, spec: EngineSpec, args: Mapping[str, Any]) -> dict[str, Any]:
-        """The args with kvops's --kv-events-config added where kvops reads the events and the args do not say."""
-        from kvops.vllm.launch import KV_EVENTS_KEY, KvEventsEndpoints, kv_events_config, prepare_ipc_dirs
-
-        source = self.event_source(spec)
-        if source is None or KV_EVENTS_KEY in args:
-            return dict(args)
-        endpoints = KvEventsEndpoints(source.endpoint, source.replay_endpoint, source.topic)
-        try:
-            prepare_ipc_dirs(endpoints)
-        except OSError as exc:  # the engine still starts: kvops shows its event stream as stale
-            log.warning("vLLM %s starts without KV cache events: %s", spec.name, exc)
-            return dict(args)
-        return {**args, KV_EVENTS_KEY: kv_events_config(endpoints)}
-
-    def client(self, url: str, admin_token: str | None) -> EngineClient:
-        from kvops.kinds.client import WatchedEngineClient
-
-        return WatchedEngineClient(url, KIND)
-
-    def with_settings(self, args: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
-        from kvops.vllm.flags import args_for_fix
-
-        return args_for_fix(args, params)
-
-
-def has_kv_events(python: Path, args: Mapping[str, Any]) -> bool:
-    """Whether the vLLM of `python` has --kv-events-config (vLLM 0.9.0 and later): in its flags as `kvops run
-    --check-config` reads them (asked once per installation, then cached). True when kvops cannot tell."""
-    from kvops.schema.errors import ConfigError
-    from kvops.vllm.flags import installed_flags, require_vllm
-    from kvops.vllm.launch import KV_EVENTS_FLAG
-
-    try:
-        flags = installed_flags(python, require_vllm(python, args), say=log.info)
-    except (ConfigError, OSError, ValueError, KeyError) as exc:
-        log.info("cannot tell whether the vLLM of %s has KV cache events (%s): assuming it does", python, exc)
-        return True
-    return KV_EVENTS_FLAG in flags.flags
-
-
-def check_args(value: dict[str, Any]) -> dict[str, Any]:
-    """[engines.args]: vLLM's flags in snake_case (checked against the installed vLLM by `kvops run
-    --check-config`, which asks its interpreter: `preflight`)."""
-    from kvops.vllm.flags import check_args as check_vllm_args
-
-    return check_vllm_args(value)
-
-
-def preflight(spec: EngineSpec, flags: bool) -> None:
-    """The engine's interpreter has vLLM and (flags) every setting in its args is a flag of that vLLM;
-    ConfigError says what to do."""
-    from kvops.schema.errors import ConfigError
-    from kvops.vllm.flags import installed_flags, require_vllm, resolve_python, with_drain
-
-    python = resolve_python(spec.python)
-    location = require_vllm(python, spec.args)
-    if flags:
-        asked = installed_flags(python, location, say=lambda text: print(text, file=sys.stderr, flush=True))
-        problem = asked.problem(with_drain(spec.args, spec.drain_timeout_s))
-        if problem:
-            raise ConfigError(problem)
-
 
 PROFILE = EngineProfile(
     kind=KIND,
@@ -370,16 +248,12 @@ PROFILE = EngineProfile(
         Remedy.CAPACITY: "lower --max-num-seqs{to_fit} (requests queue instead of preempting each other), or enlarge "
                          "the KV pool: {pool}",
     },
-    # KV_EVENTS: vLLM 0.9.0 and later, with --kv-events-config (a managed one gets it: VllmLauncher.event_source).
+    # KV_EVENTS: vLLM 0.9.0 and later, with --kv-events-config (a managed one gets it: kvops.vllm.launcher).
+    # MANAGED: kvops.vllm.launcher starts it (kvops.supervisor.launchers).
     capabilities=frozenset({Capability.MANAGED, Capability.KV_EVENTS}),
     # The scrape does not say CPU or GPU: without a device, the sizes both take.
     block_sizes=tuple(sorted(set(CPU_BLOCK_SIZES) & set(GPU_BLOCK_SIZES))),
     block_sizes_by_device={"cpu": CPU_BLOCK_SIZES, "cuda": GPU_BLOCK_SIZES},
-    launcher=VllmLauncher,
-    check_args=check_args,
-    health_timeout_s=HEALTH_TIMEOUT_S,
-    interpreter=True,
-    preflight=preflight,
     notes={
         # Its KV pool flag depends on the device, which its scrape does not show: named for the device the
         # snapshot knows, else for both.

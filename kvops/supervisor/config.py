@@ -34,6 +34,7 @@ from kvops.rules import RULES
 from kvops.schema.errors import ConfigError
 from kvops.supervisor.fix_lease import lease_problem
 from kvops.supervisor.judge import JudgeSettings
+from kvops.supervisor.launchers import MANAGED, EngineStart, managed_kind
 from kvops.supervisor.probes import BlockSizeProfileSettings
 from kvops.vllm.launch import KV_EVENTS_KEY, managed_event_endpoints, read_kv_events_config
 
@@ -192,8 +193,8 @@ class EngineSpec(_Strict):
     @field_validator("args")
     @classmethod
     def _args(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        check = managed_profile(info.data.get("kind", AUTO)).check_args
-        return value if check is None else check(value)
+        how = managed_kind(info.data.get("kind", AUTO))
+        return value if how is None else how.check_args(value)
 
     @model_validator(mode="after")
     def _managed_or_watched(self) -> EngineSpec:
@@ -209,13 +210,13 @@ class EngineSpec(_Strict):
                              "(give its url)")
         if not self.managed and self.args:
             raise ValueError("args apply to managed engines only: kvops cannot change a watched engine's flags")
-        kind = managed_profile(self.kind)
-        if self.python is not None and (not kind.interpreter or not self.managed):
-            started = [p for p in PROFILES.values() if p.interpreter]
+        how = managed_kind(self.kind)
+        if self.python is not None and (how is None or not how.interpreter or not self.managed):
+            started = [PROFILES[kind] for kind, found in MANAGED.items() if found.interpreter]
             settings = " or ".join(f"kind = {json.dumps(p.kind)}" for p in started)
             raise ValueError(f"python applies to a managed {' or '.join(p.title for p in started)} ({settings}) only")
-        if kind.health_timeout_s is not None and "health_timeout_s" not in self.model_fields_set:
-            self.health_timeout_s = kind.health_timeout_s
+        if how is not None and how.health_timeout_s is not None and "health_timeout_s" not in self.model_fields_set:
+            self.health_timeout_s = how.health_timeout_s
         self._check_events()
         return self
 
@@ -252,7 +253,7 @@ class EngineSpec(_Strict):
     def event_source(self) -> EventSource | None:
         """Where kvops reads this engine's KV events; None when it reads none. A managed vLLM's: its own
         args.kv_events_config when given, else the endpoint in `events`, else unix sockets in the state dir. (Its
-        launcher also leaves them off on a vLLM older than the events: kvops.kinds.vllm.)"""
+        launcher also leaves them off on a vLLM older than the events: kvops.vllm.launcher.)"""
         if self.events is False:
             return None
         if not self.managed:
@@ -270,6 +271,10 @@ class EngineSpec(_Strict):
         found = managed_event_endpoints(state_dir, self.name)
         return parse_source(found.endpoint, found.replay_endpoint, found.topic)
 
+
+    def start(self) -> EngineStart:
+        """What this managed engine's launcher is told of it."""
+        return EngineStart(self.name, self.python, dict(self.args), self.drain_timeout_s, self.event_source())
 
 class RuleConfig(_Strict):
     policy: Policy = "suggest"

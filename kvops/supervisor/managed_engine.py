@@ -6,7 +6,7 @@ exponential backoff. Too many exits in a window is a crash loop: it stops restar
 so, rather than spinning. The child dies with the supervisor (PR_SET_PDEATHSIG on Linux), so a
 killed supervisor leaves no orphan engine behind; it runs in a process group of its own, which is
 killed whole once the engine has exited, so helpers it forked (vLLM's engine core) go with it. What differs by kind (the
-command, the client, the names of settings) is its launcher (its kind's module in kvops.kinds).
+command, the names of settings, whether it publishes KV events) is its launcher (kvops.supervisor.launchers).
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ from typing import IO, Any
 import structlog
 
 from kvops.adapters.engine_client import EngineClient, EngineUnreachable
+from kvops.events.endpoint import EventSource
 from kvops.history import EngineHistory
-from kvops.kinds.launch import launcher_for
 from kvops.processes import die_with_parent, free_port
 from kvops.schema.engines import EngineExit, LogLine
 from kvops.supervisor.config import EngineSpec
+from kvops.supervisor.launchers import client_for, launcher_for
 
 log = structlog.get_logger("kvops.supervisor.engine")
 
@@ -44,7 +45,7 @@ class ManagedEngine:
         self.spec = spec
         self.history = history
         self.clock = clock
-        self.launcher = launcher_for(spec)
+        self.launcher = launcher_for(spec.kind, spec.start())
         self.args: dict[str, Any] = dict(spec.args)  # current settings; a restart fix changes them
         self.admin_token = secrets.token_urlsafe(24)  # only the supervisor knows it
         self.port = spec.port or free_port(spec.host)
@@ -70,7 +71,13 @@ class ManagedEngine:
 
     def client(self) -> EngineClient:
         """Reads the engine's snapshot (and, for a kvops engine, drives its admin API)."""
-        return self.launcher.client(self.url, self.admin_token)
+        return client_for(self.spec.kind, self.url, self.admin_token)
+
+    def event_source(self) -> EventSource | None:
+        """Where kvops reads this engine's KV events: its config entry's, where its launcher says the engine
+        publishes them (a vLLM older than the events does not); None: it reads none."""
+        source = self.spec.event_source()
+        return source if source is not None and self.launcher.publishes_kv_events() else None
 
     def settings_with(self, params: dict[str, Any]) -> dict[str, Any]:
         """The current args with a restart fix's settings (kvops names) applied; ValueError when this kind
@@ -92,7 +99,8 @@ class ManagedEngine:
         with self._lock:
             if self.closed:
                 raise EngineUnreachable(f"engine {self.spec.name}: not started, the supervisor is shutting down")
-            launch = self.launcher.launch(self.spec, self.port, self.args, self.admin_token)
+            launch = self.launcher.launch(self.spec.host, self.port, self.args, self.spec.drain_timeout_s,
+                                          self.admin_token)
             self.stderr_tail.clear()
             # Forked from one long-lived thread: PR_SET_PDEATHSIG fires when the *thread* that forked the child
             # ends, and fix jobs (re)start engines from worker threads that come and go.
@@ -151,7 +159,7 @@ class ManagedEngine:
         """Block until /health answers; raise EngineUnreachable naming what was waited for."""
         timeout_s = timeout_s or self.spec.health_timeout_s
         deadline = time.monotonic() + timeout_s
-        client = self.launcher.client(self.url, None)
+        client = client_for(self.spec.kind, self.url, None)
         last_error = "no answer yet"
         try:
             while time.monotonic() < deadline:

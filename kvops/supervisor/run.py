@@ -33,15 +33,15 @@ def check_managed_engines(config: KvopsConfig, source: str, flags: bool) -> None
     """Each managed engine whose kind checks its install before a start (a vLLM: its interpreter has vLLM and,
     with flags, every setting in its args is a flag of that vLLM). ConfigError (one line, exit 2) naming the
     engine and what to do."""
-    from kvops.kinds import managed_profile
     from kvops.schema.errors import ConfigError
+    from kvops.supervisor.launchers import managed_kind
 
     for index, spec in enumerate(config.engines):
-        preflight = managed_profile(spec.kind).preflight if spec.managed else None
-        if preflight is None:
+        how = managed_kind(spec.kind) if spec.managed else None
+        if how is None or how.preflight is None:
             continue
         try:
-            preflight(spec, flags)
+            how.preflight(spec.start(), flags)
         except ConfigError as exc:
             raise ConfigError(f"{source}: engines[{index}] ({spec.name}): {exc}") from None
 

@@ -34,7 +34,6 @@ from kvops.engine.metrics import TenantLabels
 from kvops.events.endpoint import EventSource
 from kvops.history import EngineHistory, HealthSample, at_start
 from kvops.kinds import Capability, profile_of
-from kvops.kinds.client import WatchedEngineClient
 from kvops.rules import evaluate_all
 from kvops.schema.diagnosis import Diagnosis, Severity
 from kvops.schema.engines import GatewayLink
@@ -52,6 +51,7 @@ from kvops.supervisor.managed_engine import ManagedEngine
 from kvops.supervisor.managed_gateway import GatewayHandle
 from kvops.supervisor.poll_timing import PollTiming
 from kvops.supervisor.probes import ProbeRefused, Probes
+from kvops.watching import WatchedEngineClient
 
 log = structlog.get_logger("kvops.supervisor")
 
@@ -372,8 +372,7 @@ def _event_source(spec: EngineSpec, managed: ManagedEngine | None) -> tuple[Even
     events does not); a watched engine's entry says where."""
     try:
         if managed is not None:
-            source_of = getattr(managed.launcher, "event_source", None)  # only the kinds that publish have one
-            source = source_of(spec) if source_of is not None else None
+            source = managed.event_source()
             return None if source is None else (source, spec.host)
         source = spec.event_source()
         return None if source is None else (source, urlsplit(str(spec.url)).hostname or "127.0.0.1")

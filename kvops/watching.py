@@ -1,7 +1,8 @@
 """Watching an engine kvops does not run, whatever its kind: a kvops engine (read whole from `/stats`), or
-another server (read from `/metrics` through its kind's module). Same interface as `EngineClient`, so the
+another server (read from `/metrics` through its kind's profile). Same interface as `EngineClient`, so the
 supervisor polls them alike; kvops's admin API exists only where the kind's profile says so, so admin calls
-to the others are refused with the reason."""
+to the others are refused with the reason. It asks the kinds' registry (kvops.kinds) what a server is and how
+to read it, so it sits above the profiles, beside the rules; the supervisor and doctor use it."""
 
 from __future__ import annotations
 
@@ -11,32 +12,9 @@ from typing import Any
 
 from kvops.adapters.engine_client import EngineClient, EngineUnreachable
 from kvops.adapters.prometheus import Scrape, ScrapeError
-from kvops.kinds import AUTO, PROFILES, Capability, EngineProfile, detect, kinds, profile, snapshot_from_scrape
+from kvops.kinds import AUTO, Capability, EngineProfile, detect, kinds, profile, snapshot_from_scrape, unrecognised
 from kvops.schema.reports import BlockSizeProfile, KVQuantProfile
 from kvops.schema.snapshot import Snapshot
-
-
-def _listed(words: list[str], last: str) -> str:
-    return f"{', '.join(words[:-1])} {last} {words[-1]}" if len(words) > 1 else "".join(words)
-
-
-# A profile's note naming the flag without which its server exports no /metrics.
-ENABLE_METRICS = "enable_metrics"
-
-
-def metrics_switches() -> list[EngineProfile]:
-    """The kinds whose /metrics is off unless started with a flag (their note ENABLE_METRICS names it)."""
-    return [p for p in PROFILES.values() if ENABLE_METRICS in p.notes]
-
-
-def unrecognised(url: str) -> str:
-    """Why a server that answers is not one kvops reads: the kinds it knows, and what some need turned on."""
-    titles = [p.title for p in PROFILES.values()]
-    switched = metrics_switches()
-    flags = "; ".join(f"{p.title}'s {p.notes[ENABLE_METRICS]}" for p in switched)
-    needs = (f" ({_listed([p.title for p in switched], 'and')} need{'s' if len(switched) == 1 else ''} metrics "
-             f"enabled: {flags})") if switched else ""
-    return f"{url} answers, but neither /metrics nor /v1/models looks like a {_listed(titles, 'or')} server{needs}"
 
 
 class WatchedEngineClient(EngineClient):
