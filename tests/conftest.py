@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 import torch
-from alerting_outbox import Receiver
 
 from kvops.engine.config import EngineConfig
 from kvops.engine.llm import LLM
 from kvops.logs import configure_logging
+from tests.helpers.alerting_outbox import Receiver
 
 configure_logging("info", json_logs=False)
 
@@ -181,11 +181,10 @@ def shared_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     this process with its API on a real port (test_vllm_managed kills and restarts it), and watched as a server kvops
     did not start by test_vllm_live, which runs first (files run in name order) and needs its first block size, 128.
     The vLLM tests skip themselves (marker `real`) before asking for it when `kvops vllm setup` has not run."""
-    from test_vllm_managed import VLLM_PYTHON, Served
-    from waiting import wait_for
-
     from kvops.processes import free_port
     from kvops.supervisor.config import parse_config
+    from tests.helpers.waiting import wait_for
+    from tests.test_vllm_managed import VLLM_PYTHON, Served
 
     state = tmp_path_factory.mktemp("state")
     config = parse_config({

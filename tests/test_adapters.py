@@ -198,9 +198,9 @@ def test_kvops_run_and_top_watch_a_vllm_server(fake_vllm, tmp_path):
     import sys
 
     import httpx
-    from waiting import wait_for
 
     from kvops.processes import free_port
+    from tests.helpers.waiting import wait_for
 
     listen = f"127.0.0.1:{free_port('127.0.0.1')}"
     env = {k: v for k, v in os.environ.items() if k != "KVOPS_ADMIN_TOKEN"}

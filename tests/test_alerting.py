@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from alerting_outbox import outbox_rows
 from pydantic import ValidationError
 
 from kvops.alerting import Alerter, AlertingConfig, AlertState, ReceiverConfig, verify_signature
@@ -26,6 +25,7 @@ from kvops.alerting.outbox import Outbox
 from kvops.alerting.payloads import ZERO_TIME
 from kvops.alerting.receivers import sign
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity
+from tests.helpers.alerting_outbox import outbox_rows
 
 EXTERNAL_URL = "http://kvops.example:9400"
 RFC3339_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")

@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 import structlog
-from alerting_outbox import Receiver, outbox_rows, wait_for
 from pydantic import BaseModel, ConfigDict
 
 from kvops.alerting import SIGNATURE_HEADER, Alerter, AlertingConfig, verify_signature
 from kvops.logs import configure_logging
 from kvops.processes import free_port
 from kvops.schema.diagnosis import Diagnosis, Severity
+from tests.helpers.alerting_outbox import Receiver, outbox_rows, wait_for
 
 EXTERNAL_URL = "http://kvops.example:9400"
 BEARER = "bearer-7f3a9c1e5b"

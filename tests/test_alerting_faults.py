@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import structlog
-from alerting_outbox import Receiver, outbox_rows, wait_for
 from fastapi.testclient import TestClient
 
 from kvops.alerting import Alerter, AlertingConfig, receiver_problems
@@ -32,6 +31,7 @@ from kvops.supervisor import exporter
 from kvops.supervisor.api import build_supervisor_app
 from kvops.supervisor.config import load_config, parse_config
 from kvops.supervisor.supervisor import Supervisor
+from tests.helpers.alerting_outbox import Receiver, outbox_rows, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 EXTERNAL_URL = "http://kvops.example:9400"

@@ -13,10 +13,10 @@ import json
 from pathlib import Path
 
 import pytest
-from gateway_metrics import sample
 
 from kvops import cli
 from kvops.bench import gateway as bench
+from tests.helpers.gateway_metrics import sample
 
 WORKLOAD = bench.Workload(prompt_tokens=8, max_tokens=4)
 LEVELS = [bench.Level(1, 4), bench.Level(3, 6)]

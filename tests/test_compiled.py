@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from test_model import _tiny
 
 from kvops.engine.compiled import compile_step
 from kvops.engine.config import EngineConfig
@@ -23,6 +22,7 @@ from kvops.engine.model import apply_rope
 from kvops.engine.sampling import SamplingParams
 from kvops.kernels import AttentionMetadata, KVCacheLayer, allocate_kv_cache_layer, reference
 from kvops.schema.errors import ConfigError
+from tests.test_model import _tiny
 
 CPU = torch.device("cpu")
 

@@ -222,11 +222,10 @@ def test_unusable_scrape_exits_2_without_a_traceback(tmp_path, content, words):
 
 
 def test_plain_doctor_finds_the_engine_a_local_supervisor_runs(tmp_path, monkeypatch, capsys):
-    from waiting import wait_for
-
     from kvops.doctor import liveness
     from kvops.doctor import run as doctor_run
     from kvops.top.embedded import EmbeddedSupervisor
+    from tests.helpers.waiting import wait_for
 
     supervisor = EmbeddedSupervisor([], state_dir=tmp_path)  # `kvops run`, its engine on a port of its choosing
     supervisor.start()

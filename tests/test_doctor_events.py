@@ -20,13 +20,13 @@ from typing import Any
 
 import pytest
 import zmq
-from waiting import wait_for
 
 from kvops.cli import main
 from kvops.events.index import ResidentIndex
 from kvops.events.recording import read_recording
 from kvops.events.wire import decode_batch
 from kvops.schema.kv_events import EventStreamHealth
+from tests.helpers.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 EVENTS = ROOT / "tests" / "fixtures" / "kv-events"

@@ -91,7 +91,7 @@ def test_the_recorded_reference_is_what_transformers_gives_today(llm, chat_promp
     """The recording hf_greedy reads (tests/fixtures/hf-greedy/) against a live transformers run, with its key."""
     import json
 
-    from conftest import HF_GREEDY_FILE, hf_greedy_live, hf_reference_key
+    from tests.conftest import HF_GREEDY_FILE, hf_greedy_live, hf_reference_key
 
     stored = json.loads(HF_GREEDY_FILE.read_text())
     assert stored["key"] == hf_reference_key(), "recorded with another model or versions: KVOPS_RECORD_REFERENCE=1"

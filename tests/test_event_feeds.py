@@ -24,7 +24,6 @@ import pytest
 import zmq
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
-from waiting import wait_for
 
 from kvops.adapters import Scrape
 from kvops.adapters.engine_client import EngineUnreachable
@@ -42,6 +41,7 @@ from kvops.supervisor.config import parse_config
 from kvops.supervisor.event_feeds import STALE_AFTER_S, EventFeeds, with_event_blocks
 from kvops.supervisor.launchers import launcher_for
 from kvops.supervisor.supervisor import Supervisor
+from tests.helpers.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 EVENTS = ROOT / "tests" / "fixtures" / "kv-events"

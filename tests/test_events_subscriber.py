@@ -21,7 +21,6 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from waiting import wait_for
 
 from kvops.events.endpoint import IPC_PATH_MAX, parse_source, socket_address, socket_role
 from kvops.events.index import ResidentIndex
@@ -30,6 +29,7 @@ from kvops.events.subscriber import EventFeed
 from kvops.events.wire import decode_batch
 from kvops.processes import free_port
 from kvops.schema.kv_events import EventStreamHealth
+from tests.helpers.waiting import wait_for
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kv-events"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

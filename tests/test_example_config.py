@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import httpx
-from waiting import wait_for
 
 from kvops.processes import free_port
+from tests.helpers.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "kvops.example.toml"

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from synthetic import snapshot
 
 from kvops.adapters import Scrape
 from kvops.kinds import snapshot_from_scrape
@@ -19,6 +18,7 @@ from kvops.schema.snapshot import Snapshot
 from kvops.supervisor import exporter
 from kvops.supervisor.config import parse_config
 from kvops.supervisor.supervisor import Supervisor
+from tests.helpers.synthetic import snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = (ROOT / "docs" / "supervisor.md", ROOT / "docs" / "metrics.md")

@@ -16,9 +16,6 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from synthetic import snapshot
-from test_supervisor import Daemon, Receiver, _config
-from waiting import wait_for
 
 from kvops.adapters.engine_client import EngineClient
 from kvops.adapters.http_client import HttpClient
@@ -31,6 +28,9 @@ from kvops.supervisor.audit import AuditLog
 from kvops.supervisor.config import KvopsConfig
 from kvops.supervisor.fixes import FixManager, Target
 from kvops.supervisor.supervisor import Supervisor
+from tests.helpers.synthetic import snapshot
+from tests.helpers.waiting import wait_for
+from tests.test_supervisor import Daemon, Receiver, _config
 
 NORMALIZE = Fix(kind=FixKind.ADMIN, action="set_normalization", params={"mode": "on"}, description="normalize",
                 objectives=[Objective(measure="preemptions_per_s", better="lower")])

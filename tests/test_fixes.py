@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from waiting import wait_for
 
 from kvops.adapters.engine_client import EngineClient
 from kvops.engine.server import build_app
@@ -19,6 +18,7 @@ from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
 from kvops.schema.verdict import Verdict, VerdictKind
 from kvops.supervisor.audit import AuditLog
 from kvops.supervisor.fixes import FixError, FixManager, Target
+from tests.helpers.waiting import wait_for
 
 
 @pytest.fixture

@@ -26,12 +26,12 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from waiting import stop_process, wait_for
 
 from kvops.fleet.prometheus_api import PrometheusApi, PrometheusError, parse_selector
 from kvops.fleet.render import render_table
 from kvops.fleet.view import Fleet, read_fleet
 from kvops.processes import free_port
+from tests.helpers.waiting import stop_process, wait_for
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="needs Debian's `prometheus` package (apt-get install "

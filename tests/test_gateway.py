@@ -13,12 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from gateway_metrics import sample, tenant_stats
-from gateway_servers import ADMIN, ADMIN_TOKEN, KEYS, Recorder, auth, gateway_in_front_of, serving
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
-from waiting import wait_for
 
 from kvops.gateway.errors import GatewayError
 from kvops.gateway.limits import TenantLimits, estimate_tokens
@@ -26,6 +23,9 @@ from kvops.gateway.policy import PolicyStore, TenantPolicy, TenantPolicyUpdate, 
 from kvops.gateway.streaming import event_usage, split_events
 from kvops.processes import free_port
 from kvops.schema.errors import ConfigError
+from tests.helpers.gateway_metrics import sample, tenant_stats
+from tests.helpers.gateway_servers import ADMIN, ADMIN_TOKEN, KEYS, Recorder, auth, gateway_in_front_of, serving
+from tests.helpers.waiting import wait_for
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 

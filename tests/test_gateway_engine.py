@@ -13,11 +13,11 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_metrics import sample, tenant_stats
-from gateway_servers import ADMIN, auth, gateway_in_front_of
-from waiting import wait_for
 
 from kvops.gateway.state import Gateway
+from tests.helpers.gateway_metrics import sample, tenant_stats
+from tests.helpers.gateway_servers import ADMIN, auth, gateway_in_front_of
+from tests.helpers.waiting import wait_for
 
 
 @pytest.fixture(scope="module")

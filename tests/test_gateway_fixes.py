@@ -14,10 +14,6 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_servers import ADMIN_TOKEN, Recorder, auth, gateway_in_front_of, serving
-from synthetic import snapshot
-from test_rules_kv_events import events, fired, history, vllm
-from waiting import wait_for
 
 from kvops.adapters.engine_client import EngineUnreachable
 from kvops.gateway.shadow import CHUNK_CHARS, ShadowReuse, prompt_texts
@@ -31,6 +27,10 @@ from kvops.supervisor.fix_jobs import Target
 from kvops.supervisor.fixes import FixManager
 from kvops.supervisor.gateway_admin import GatewayAdmin
 from kvops.supervisor.measures import measure
+from tests.helpers.gateway_servers import ADMIN_TOKEN, Recorder, auth, gateway_in_front_of, serving
+from tests.helpers.synthetic import snapshot
+from tests.helpers.waiting import wait_for
+from tests.test_rules_kv_events import events, fired, history, vllm
 
 SHARED = "You are a support assistant for ACME. Answer briefly and politely, and cite the manual. " * 6
 

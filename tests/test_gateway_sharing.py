@@ -13,10 +13,6 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_servers import ADMIN, Recorder, auth, gateway_in_front_of, serving
-from synthetic import T0
-from test_gateway_fixes import SHARED, gateway_view
-from test_rules_kv_events import history, vllm
 
 from kvops.gateway.accounting import TenantStatsList
 from kvops.gateway.shadow import CHUNK_CHARS, ShadowReuse, prompt_texts
@@ -24,6 +20,10 @@ from kvops.history import EngineHistory
 from kvops.rules import evaluate_all
 from kvops.schema.diagnosis import Diagnosis, FixKind, Severity
 from kvops.supervisor.gateway_tenants import gateway_tenant
+from tests.helpers.gateway_servers import ADMIN, Recorder, auth, gateway_in_front_of, serving
+from tests.helpers.synthetic import T0
+from tests.test_gateway_fixes import SHARED, gateway_view
+from tests.test_rules_kv_events import history, vllm
 
 WHOLE = len(SHARED) // CHUNK_CHARS * CHUNK_CHARS  # what a cache can reuse of SHARED: its whole chunks
 

@@ -18,12 +18,12 @@ import httpx
 import psutil
 import pytest
 from fastapi.testclient import TestClient
-from waiting import wait_for
 
 from kvops.schema.errors import ConfigError
 from kvops.supervisor.api import build_supervisor_app
 from kvops.supervisor.config import parse_config
 from kvops.supervisor.supervisor import Supervisor
+from tests.helpers.waiting import wait_for
 
 KEYS = {"team-a": "team-a-key-0123456789", "team-b": "team-b-key-0123456789"}
 

@@ -14,10 +14,7 @@ from pathlib import Path
 
 import httpx
 from fastapi.testclient import TestClient
-from gateway_servers import Recorder, auth, gateway_in_front_of, serving
 from prometheus_client.parser import text_string_to_metric_families
-from synthetic import snapshot
-from test_event_feeds import Clock, ScrapeClient
 
 from kvops.engine.metrics import TenantLabels
 from kvops.schema.snapshot import Snapshot
@@ -25,6 +22,9 @@ from kvops.supervisor import exporter
 from kvops.supervisor.api import build_supervisor_app
 from kvops.supervisor.config import parse_config
 from kvops.supervisor.supervisor import Supervisor
+from tests.helpers.gateway_servers import Recorder, auth, gateway_in_front_of, serving
+from tests.helpers.synthetic import snapshot
+from tests.test_event_feeds import Clock, ScrapeClient
 
 
 def _supervisor(tmp_path: Path, gateway: str) -> Supervisor:

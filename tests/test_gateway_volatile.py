@@ -7,10 +7,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from gateway_servers import ADMIN, Recorder, auth, gateway_in_front_of, serving
 
 from kvops.gateway.policy import TenantPolicy
 from kvops.gateway.volatile import CATALOG, check_mask, found, mask_text
+from tests.helpers.gateway_servers import ADMIN, Recorder, auth, gateway_in_front_of, serving
 
 
 @pytest.mark.parametrize("name", list(CATALOG))

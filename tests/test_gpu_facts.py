@@ -22,7 +22,6 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from rich.text import Text
-from synthetic import snapshot
 
 from kvops.doctor.environment import engine_device
 from kvops.doctor.report import Status
@@ -31,6 +30,7 @@ from kvops.engine.metrics import EngineMetrics
 from kvops.schema.snapshot import GpuStats, ProcessStats, Snapshot
 from kvops.supervisor import exporter
 from kvops.top.widgets.engines import gpu_compact, gpu_summary
+from tests.helpers.synthetic import snapshot
 
 GiB = 2**30
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"

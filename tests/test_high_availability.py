@@ -29,10 +29,10 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from test_prometheus_e2e import ALERTMANAGER, CapturedVllm, Webhook, _start, _stop
-from waiting import wait_for
 
 from kvops.processes import free_port
+from tests.helpers.waiting import wait_for
+from tests.test_prometheus_e2e import ALERTMANAGER, CapturedVllm, Webhook, _start, _stop
 
 pytestmark = pytest.mark.skipif(
     ALERTMANAGER is None,

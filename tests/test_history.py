@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from synthetic import snapshot
 
 from kvops.history import EngineHistory
+from tests.helpers.synthetic import snapshot
 
 
 def test_recent_kept_at_full_rate_older_downsampled_oldest_dropped():

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
-from synthetic import T0
 
 from kvops.rules import RULES
 from kvops.schema.diagnosis import Diagnosis, Severity
@@ -14,6 +13,7 @@ from kvops.supervisor import exporter
 from kvops.supervisor.config import parse_config
 from kvops.supervisor.hysteresis import Hysteresis
 from kvops.supervisor.supervisor import Supervisor
+from tests.helpers.synthetic import T0
 
 
 def _diagnosis(rule: str = "queueing", subject: str = "") -> Diagnosis:

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from synthetic import T0, decode_steps, history_of, merged, steps_until
 
 import kvops.rules as rules_pkg
 from kvops.schema.diagnosis import Objective
@@ -19,6 +18,7 @@ from kvops.schema.snapshot import Snapshot
 from kvops.schema.verdict import VerdictKind
 from kvops.supervisor.judge import JudgeSettings, judge
 from kvops.supervisor.measures import MEASURES, measure, split
+from tests.helpers.synthetic import T0, decode_steps, history_of, merged, steps_until
 
 EVERY = 5.0
 N = 13  # 12 intervals of 5 s: a 60 s window, 3 intervals per part

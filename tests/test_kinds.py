@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from synthetic import T0
 
 from kvops.adapters import common
 from kvops.adapters.names import MetricSource, Reader, table
@@ -37,6 +36,7 @@ from kvops.kinds import (
 from kvops.rules import block_size_waste, queueing
 from kvops.schema.snapshot import Snapshot
 from kvops.supervisor.launchers import MANAGED, managed_kind
+from tests.helpers.synthetic import T0
 
 ROOT = Path(__file__).resolve().parent.parent
 

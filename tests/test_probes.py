@@ -6,12 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from synthetic import T0, snapshot
 
 from kvops.history import EngineHistory
 from kvops.supervisor.config import parse_config
 from kvops.supervisor.probes import BlockSizeProfileSettings, ProbeRefused, Probes, idle_for
 from kvops.supervisor.supervisor import Supervisor
+from tests.helpers.synthetic import T0, snapshot
 
 
 def _history(running: list[int], every: float = 1.0) -> EngineHistory:

@@ -38,9 +38,9 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from waiting import stop_process, wait_for
 
 from kvops.processes import free_port
+from tests.helpers.waiting import stop_process, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "alerts" / "kvops.rules.yml"

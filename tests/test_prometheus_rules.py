@@ -17,10 +17,10 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
-from synthetic import snapshot
 
 from kvops.engine.metrics import snapshot_families
 from kvops.rules import RULES
+from tests.helpers.synthetic import snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES_FILE = ROOT / "alerts" / "kvops.rules.yml"

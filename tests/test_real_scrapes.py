@@ -30,7 +30,6 @@ from typing import Any
 
 import httpx
 import pytest
-from waiting import wait_for
 
 from kvops.adapters import Scrape
 from kvops.adapters.plausibility import problems
@@ -39,6 +38,7 @@ from kvops.doctor.report import Report
 from kvops.doctor.run import add_doctor_args, diagnose
 from kvops.kinds import PROFILES, detect, snapshot_from_scrape
 from kvops.processes import free_port
+from tests.helpers.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 PUBLISHED = ROOT / "tests" / "fixtures" / "published"

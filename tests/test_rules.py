@@ -9,19 +9,6 @@ from typing import Any
 
 import pytest
 from pydantic import BaseModel, ValidationError
-from synthetic import (
-    ENGINE,
-    T0,
-    decode_steps,
-    gpu,
-    history_of,
-    merged,
-    on_gpu,
-    snapshot,
-    steps_until,
-    with_exits,
-    with_health,
-)
 
 import kvops.rules as rules_pkg
 from kvops.history import EngineHistory
@@ -38,6 +25,19 @@ from kvops.rules import (
 )
 from kvops.rules.common import recent_steps
 from kvops.schema.diagnosis import Diagnosis, FixKind, Severity
+from tests.helpers.synthetic import (
+    ENGINE,
+    T0,
+    decode_steps,
+    gpu,
+    history_of,
+    merged,
+    on_gpu,
+    snapshot,
+    steps_until,
+    with_exits,
+    with_health,
+)
 
 BLOCK_BYTES = 16 * 46080  # block_size × bytes_per_token of the synthetic engine
 

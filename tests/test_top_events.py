@@ -10,9 +10,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fake_supervisor import FakeSupervisor
-from synthetic import T0, snapshot
-
 from kvops.schema.engines import EngineEntry
 from kvops.schema.histogram import Histogram, bucket_quantile, percentile_fields
 from kvops.schema.kv_events import RESIDENCY_BOUNDS_S, BlockResidency
@@ -23,6 +20,8 @@ from kvops.top.render import engine_summary, event_rates, kv_event_lines
 from kvops.top.widgets import event_map
 from kvops.top.widgets.block_map import BlockMapPanel
 from kvops.top.widgets.common import Readout
+from tests.helpers.fake_supervisor import FakeSupervisor
+from tests.helpers.synthetic import T0, snapshot
 
 POOL = 182
 

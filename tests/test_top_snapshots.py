@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from fake_supervisor import FakeSupervisor
 
 from kvops.schema.snapshot import encode_owner_map
 from kvops.top.app import KvopsTop
+from tests.helpers.fake_supervisor import FakeSupervisor
 
 SIZE = (160, 50)
 

@@ -33,7 +33,11 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 import yaml
-from test_prometheus_e2e import (
+
+from kvops.doctor.liveness import known_prefixes
+from kvops.processes import free_port
+from tests.helpers.waiting import wait_for
+from tests.test_prometheus_e2e import (
     EVERY_KIND_PANELS,
     PROMETHEUS,
     RULES,
@@ -44,11 +48,7 @@ from test_prometheus_e2e import (
     _start,
     _stop,
 )
-from test_vllm_managed import _chats, real
-from waiting import wait_for
-
-from kvops.doctor.liveness import known_prefixes
-from kvops.processes import free_port
+from tests.test_vllm_managed import _chats, real
 
 pytestmark = [pytest.mark.vllm, real]
 

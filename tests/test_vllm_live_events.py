@@ -22,11 +22,11 @@ from typing import Any
 
 import httpx
 import pytest
-from hang_up import hang_up
-from test_vllm_managed import Served, _chats, real
-from waiting import wait_for
 
 from kvops.rules import RULES
+from tests.helpers.hang_up import hang_up
+from tests.helpers.waiting import wait_for
+from tests.test_vllm_managed import Served, _chats, real
 
 pytestmark = [pytest.mark.vllm, real]
 

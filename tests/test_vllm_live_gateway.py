@@ -19,13 +19,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from gateway_metrics import sample
-from hang_up import hang_up
-from test_vllm_live_events import BLOCK, _events, _tokens, _vllm
-from test_vllm_managed import Served, real
-from waiting import wait_for
 
 from kvops.processes import free_port, wait_healthy
+from tests.helpers.gateway_metrics import sample
+from tests.helpers.hang_up import hang_up
+from tests.helpers.waiting import wait_for
+from tests.test_vllm_live_events import BLOCK, _events, _tokens, _vllm
+from tests.test_vllm_managed import Served, real
 
 pytestmark = [pytest.mark.vllm, real]
 

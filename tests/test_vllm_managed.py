@@ -22,7 +22,6 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from waiting import wait_for
 
 from kvops.history import EngineHistory
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
@@ -33,6 +32,7 @@ from kvops.vllm.flags import FIX_SETTINGS, InstalledFlags, args_for_fix, cli_fla
 from kvops.vllm.install import default_venv_dir, venv_python
 from kvops.vllm.launch import server_argv, server_env
 from kvops.vllm.model_export import default_model_dir, export_is_complete
+from tests.helpers.waiting import wait_for
 
 VLLM_PYTHON = venv_python(default_venv_dir())
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_scenarios import _a_quiet_machine, _run_process  # noqa: F401  (the fixture is used by name)
-from test_vllm_managed import real
+
+from tests.test_scenarios import _a_quiet_machine, _run_process  # noqa: F401  (the fixture is used by name)
+from tests.test_vllm_managed import real
 
 pytestmark = [pytest.mark.vllm, real]
 

@@ -1,16 +1,15 @@
 """A stand-in for the supervisor's HTTP API in `kvops top` tests: the `SupervisorClient` interface
-over synthetic snapshots (tests/synthetic.py). The real API is covered end to end by
+over synthetic snapshots (tests/helpers/synthetic.py). The real API is covered end to end by
 test_supervisor.py and test_top_embedded.py; this keeps the app tests fast and their screens fixed."""
 
 from __future__ import annotations
-
-from synthetic import T0, snapshot
 
 from kvops.schema.audit import AuditEntry
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity
 from kvops.schema.engines import EngineEntry, LogLine
 from kvops.schema.snapshot import Snapshot
 from kvops.top.client import SupervisorRefused, SupervisorUnreachable
+from tests.helpers.synthetic import T0, snapshot
 
 TENANTS = {
     "alice": {"blocks_held": 300, "blocks_owned": 320, "quota_blocks": 400, "hit_rate": 0.9,
