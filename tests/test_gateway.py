@@ -1,5 +1,5 @@
-"""The gateway against a recording upstream (tests/gateway_servers.py) and on its own: policies and salts, limits,
-the admin API, bad input and upstream faults. The real engine behind it: tests/test_gateway_engine.py."""
+"""The gateway against a recording upstream (tests/helpers/gateway_servers.py) and on its own: policies and salts,
+limits, the admin API, bad input and upstream faults. The real engine behind it: tests/test_gateway_engine.py."""
 
 from __future__ import annotations
 

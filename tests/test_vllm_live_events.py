@@ -177,9 +177,10 @@ def test_clients_that_hang_up_mid_stream_are_abandoned_requests(served):
     """vLLM 0.32 stops a request whose client hung up but counts it neither as an abort nor as ended: the snapshot
     reads the gap (a first token, no end) as abandoned requests, aborted_requests names them, and so does doctor.
 
-    In CI one of 6 streams once ran on to its max_tokens, the client's hang-up late or missed (see hang_up.py: the
-    clients are child processes now). A stream vLLM runs to its end is ended, in its own e2e_request_latency count,
-    and rightly not abandoned: the test expects the streams vLLM did not end, at least half of them."""
+    In CI one of 6 streams once ran on to its max_tokens, the client's hang-up late or missed (see
+    helpers/hang_up.py: the clients are child processes now). A stream vLLM runs to its end is ended, in its own
+    e2e_request_latency count, and rightly not abandoned: the test expects the streams vLLM did not end, at least
+    half of them."""
     url = served.engine()["url"]
     before = served.api.get("/api/engines/vllm/snapshot").json()["requests"]
     aborts = _aborts_counted(served)
