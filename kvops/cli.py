@@ -42,11 +42,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvops.engine.api_keys import TenantResolver
     from kvops.engine.args import engine_config_from_args
-    from kvops.engine.async_engine import AsyncEngine
     from kvops.engine.engine import LLMEngine
-    from kvops.engine.server import build_app
+    from kvops.engine.serving.app import build_app
+    from kvops.engine.serving.async_engine import AsyncEngine
+    from kvops.engine.serving.auth import TenantResolver
     from kvops.serving import serve
 
     config = engine_config_from_args(args)

@@ -73,7 +73,7 @@ def test_the_client_quotes_each_path_field_whole_and_bodies_leave_them_out() -> 
 
 
 def test_every_action_is_bound_to_an_engine_handler_taking_its_path_fields() -> None:
-    from kvops.engine.routes_admin import ADMIN_HANDLERS
+    from kvops.engine.serving.admin_routes import ADMIN_HANDLERS
 
     assert set(ADMIN_HANDLERS) == set(ADMIN_ACTIONS)
     for name, action in ADMIN_ACTIONS.items():

@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from kvops.engine.api_keys import ApiKeys, TenantResolver, load_api_keys, tenant_name_problem
 from kvops.engine.config import EngineConfig
-from kvops.engine.server import build_app
+from kvops.engine.serving.app import build_app
+from kvops.engine.serving.auth import TenantResolver
 from kvops.schema.errors import ConfigError
+from kvops.tenancy.api_keys import ApiKeys, load_api_keys
+from kvops.tenancy.names import tenant_name_problem
 
 MODEL = "SmolLM2-135M-Instruct"
 ADMIN = "admin-token-for-keys"

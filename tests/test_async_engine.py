@@ -7,8 +7,8 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
-from kvops.engine.async_engine import AsyncEngine
-from kvops.engine.server import build_app
+from kvops.engine.serving.app import build_app
+from kvops.engine.serving.async_engine import AsyncEngine
 from kvops.schema.errors import ConfigError
 
 

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from kvops.engine.block_size_profile import DEFAULT_PROMPT_LENS, profile_block_size
 from kvops.engine.llm import LLM
 from kvops.engine.sampling import SamplingParams
-from kvops.engine.server import build_app
+from kvops.engine.serving.app import build_app
 from kvops.engine.stats import EngineStats
 from kvops.schema.reports import BlockSizeProfile
 from kvops.schema.snapshot import StepSample

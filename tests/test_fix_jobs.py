@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 
 from kvops.adapters.engine_client import EngineClient
 from kvops.adapters.http_client import HttpClient
-from kvops.engine.server import build_app
+from kvops.engine.serving.app import build_app
 from kvops.history import EngineHistory
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
 from kvops.schema.verdict import Verdict, VerdictKind

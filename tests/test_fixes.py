@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvops.adapters.engine_client import EngineClient
-from kvops.engine.server import build_app
+from kvops.engine.serving.app import build_app
 from kvops.history import EngineHistory
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
 from kvops.schema.verdict import Verdict, VerdictKind

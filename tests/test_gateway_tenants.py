@@ -16,12 +16,12 @@ import httpx
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvops.engine.metrics import TenantLabels
 from kvops.schema.snapshot import Snapshot
 from kvops.supervisor import exporter
 from kvops.supervisor.api import build_supervisor_app
 from kvops.supervisor.config import parse_config
 from kvops.supervisor.supervisor import Supervisor
+from kvops.tenancy.labels import TenantLabels
 from tests.helpers.gateway_servers import Recorder, auth, gateway_in_front_of, serving
 from tests.helpers.synthetic import snapshot
 from tests.test_event_feeds import Clock, ScrapeClient

@@ -26,7 +26,7 @@ from rich.text import Text
 from kvops.doctor.environment import engine_device
 from kvops.doctor.report import Status
 from kvops.engine import process_stats
-from kvops.engine.metrics import EngineMetrics
+from kvops.engine.serving.metrics import EngineMetrics
 from kvops.schema.snapshot import GpuStats, ProcessStats, Snapshot
 from kvops.supervisor import exporter
 from kvops.top.widgets.engines import gpu_compact, gpu_summary

@@ -339,7 +339,7 @@ def test_the_serving_loop_measures_a_due_split_while_idle_and_only_on_a_quiet_ma
     # The step loop of `kvops engine serve` with no request: engine.idle() reads the CPU between its waits and
     # starts the due measurement only when other processes kept no core busy between two readings.
     from kvops.engine import engine as engine_module
-    from kvops.engine.async_engine import AsyncEngine
+    from kvops.engine.serving.async_engine import AsyncEngine
     from kvops.engine.threads import CpuReading
 
     dispatch = llm.engine.model.linear_dispatch

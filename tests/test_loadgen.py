@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from kvops.engine.normalize import normalize_prompt
 from kvops.loadgen import (
     LoadError,
     LoadReport,
@@ -29,6 +28,7 @@ from kvops.loadgen import (
 )
 from kvops.loadgen.runner import Runner
 from kvops.processes import free_port
+from kvops.prompt_normalization import normalize_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 

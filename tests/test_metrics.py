@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from kvops.engine.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, EngineMetrics
+from kvops.engine.serving.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, EngineMetrics
 from kvops.schema.snapshot import (
     BLOCK_STATE_CODES,
     BlockStats,

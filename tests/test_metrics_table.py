@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from kvops.adapters.kvops_metrics import snapshot_from_kvops_metrics
 from kvops.adapters.prometheus import Scrape
-from kvops.engine.metrics import EngineMetrics
+from kvops.engine.serving.metrics import EngineMetrics
 from kvops.schema.metrics import (
     EACH,
     ENGINE_INFO,

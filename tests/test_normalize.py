@@ -13,15 +13,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvops.engine.config import NormalizationMode
 from kvops.engine.hashing import block_hashes
-from kvops.engine.normalize import (
+from kvops.engine.shadow_cache import ShadowPrefixCache
+from kvops.prompt_normalization import (
     SPACE_SEPARATORS,
     ZERO_WIDTH,
-    NormalizationMode,
     normalize_messages,
     normalize_prompt,
 )
-from kvops.engine.shadow_cache import ShadowPrefixCache
 
 # Characters normalization cares about, mixed into arbitrary text so hypothesis hits them often.
 TRICKY = list(

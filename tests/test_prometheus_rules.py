@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from kvops.engine.metrics import snapshot_families
+from kvops.engine.serving.metrics import snapshot_families
 from kvops.rules import RULES
 from tests.helpers.synthetic import snapshot
 

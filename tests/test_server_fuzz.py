@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from kvops.engine.block import BlockState
 from kvops.engine.invariants import check_invariants
 from kvops.engine.sampling import SamplingParams, sample
-from kvops.engine.server import build_app
+from kvops.engine.serving.app import build_app
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -147,8 +147,8 @@ def test_valid_requests_streaming_or_not_complete(http, stream, usage, chat, ten
     assert response.status_code == 200, response.text
     if stream:
         assert response.text.rstrip().endswith("data: [DONE]"), response.text
-        # An error is an event with an "error" key (kvops/engine/routes_openai.py); the word in generated text is not
-        # one: the model once wrote "http error:" here.
+        # An error is an event with an "error" key (kvops/engine/serving/openai_routes.py); the word in generated text
+        # is not one: the model once wrote "http error:" here.
         events = [json.loads(line.removeprefix("data: ")) for line in response.text.splitlines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
         assert events and not any("error" in event for event in events), response.text

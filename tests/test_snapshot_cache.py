@@ -3,7 +3,7 @@ server must not serve it (older than MAX_AGE_S, or older than a change a client 
 
 from __future__ import annotations
 
-from kvops.engine.snapshot_cache import INTEREST_S, MAX_AGE_S, REFRESH_S, SnapshotCache
+from kvops.engine.serving.snapshot_cache import INTEREST_S, MAX_AGE_S, REFRESH_S, SnapshotCache
 from kvops.schema.snapshot import Snapshot
 from tests.helpers.synthetic import snapshot
 

@@ -10,8 +10,8 @@ from kvops.engine.block_manager import BlockManager
 from kvops.engine.config import EngineConfig
 from kvops.engine.invariants import check_invariants
 from kvops.engine.llm import LLM
-from kvops.engine.metrics import snapshot_families
 from kvops.engine.sampling import SamplingParams
+from kvops.engine.serving.metrics import snapshot_families
 from kvops.engine.snapshot_builder import swap_window
 from kvops.engine.stats import EngineStats
 from kvops.schema.errors import ConfigError

@@ -89,7 +89,7 @@ def _scrape(metrics) -> dict[str, dict[str, float]]:
 
 
 def test_tenant_labels_are_capped_with_the_rest_summed_as_other(small_llm):
-    from kvops.engine.metrics import EngineMetrics
+    from kvops.engine.serving.metrics import EngineMetrics
     from kvops.schema.snapshot import TenantStats
 
     cap = 4

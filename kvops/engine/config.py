@@ -16,11 +16,12 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from enum import StrEnum
 from typing import Any
 
-from kvops.engine.normalize import NormalizationMode
 from kvops.schema.errors import ConfigError
 from kvops.schema.kv_dtypes import INT4_GROUP_SIZES, KV_CACHE_DTYPES
+from kvops.tenancy.labels import DEFAULT_MAX_TENANT_LABELS
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
@@ -29,8 +30,19 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 COMPILE_MODES = ("auto", "on", "off")
 PREEMPTION_MODES = ("swap", "recompute")
 EVICTION_POLICIES = ("lru", "lfu")
+
+
+class NormalizationMode(StrEnum):
+    """What the engine does with prompt normalization (kvops.prompt_normalization): ``off`` serves prompts
+    unchanged; ``shadow`` serves them unchanged but estimates the hit rate normalization would give
+    (`kvops.engine.shadow_cache`); ``on`` serves normalized prompts."""
+
+    OFF = "off"
+    SHADOW = "shadow"
+    ON = "on"
+
+
 NORMALIZATION_MODES = tuple(mode.value for mode in NormalizationMode)
-DEFAULT_MAX_TENANT_LABELS = 20
 
 
 def parse_bytes(value: str | int) -> int:

@@ -16,13 +16,12 @@ from kvops import kernels
 from kvops.engine.block_manager import DEFAULT_TENANT, BlockManager
 from kvops.engine.capacity import Capacity
 from kvops.engine.compiled import compile_step
-from kvops.engine.config import EngineConfig
+from kvops.engine.config import EngineConfig, NormalizationMode
 from kvops.engine.device import activation_headroom, default_dtype, plan_gpu_kv_budget, resolve_device
 from kvops.engine.errors import InvalidRequestError
 from kvops.engine.kv_pool import allocate_kv_pool
 from kvops.engine.linear import QUIET_BELOW_CPUS
 from kvops.engine.model import LlamaModel
-from kvops.engine.normalize import NormalizationMode, normalize_messages, normalize_prompt
 from kvops.engine.sampling import SamplingParams, sample
 from kvops.engine.scheduler import ScheduledSeq, Scheduler
 from kvops.engine.sequence import FinishReason, Sequence
@@ -32,6 +31,7 @@ from kvops.engine.stats import EngineStats
 from kvops.engine.threads import ThreadGovernor, read_cpu
 from kvops.engine.weights import load_model
 from kvops.kernels import AttentionMetadata, PrefillSpan
+from kvops.prompt_normalization import normalize_messages, normalize_prompt
 from kvops.schema.errors import ConfigError
 from kvops.schema.snapshot import Snapshot, StepSample
 

@@ -1,7 +1,7 @@
 """Shadow prefix cache: the hit rate prompt normalization *would* give, while it is off.
 
 In shadow mode the engine serves every prompt unchanged, and also normalizes it
-(`kvops.engine.normalize`), tokenizes the normalized text and passes those token ids to
+(`kvops.prompt_normalization`), tokenizes the normalized text and passes those token ids to
 `ShadowPrefixCache.observe`. The shadow cache keeps only block hashes, no K/V, so it costs a few
 bytes per block and one hash per prompt block.
 

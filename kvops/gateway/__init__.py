@@ -2,6 +2,6 @@
 
 API keys decide each request's tenant; the tenant's policy decides its cache salt (shared, isolated or a named
 group), prompt normalization and limits; every request is accounted per tenant on the gateway's own `/metrics` and
-`/stats/tenants`. See docs/gateway.md. Torch-free: it imports only `kvops.engine.api_keys` and
-`kvops.engine.normalize` of the engine.
+`/stats/tenants`. See docs/gateway.md. Torch-free, and nothing of the engine: its API keys and tenant names
+are kvops.tenancy's, its prompt normalization kvops.prompt_normalization, which the engine uses too.
 """

@@ -10,10 +10,10 @@ import structlog
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvops.engine.api_keys import tenant_name_problem
 from kvops.gateway.errors import GatewayError, bad_request
 from kvops.gateway.policy import TenantPolicy, TenantPolicyUpdate
 from kvops.gateway.state import Gateway
+from kvops.tenancy.names import tenant_name_problem
 
 log = structlog.get_logger("kvops.gateway")
 

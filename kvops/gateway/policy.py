@@ -19,10 +19,10 @@ from typing import Any, Self
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvops.config_files import first_error, read_toml
-from kvops.engine.api_keys import tenant_name_problem
 from kvops.gateway.volatile import MASK_RULE, check_mask
 from kvops.schema.errors import ConfigError
 from kvops.schema.gateway import GROUP_PREFIX, ISOLATED, SHARED, TENANT_SALT_PREFIX
+from kvops.tenancy.names import tenant_name_problem
 
 CACHE_RULE = "'shared', 'isolated' or 'group:<name>'"
 
@@ -44,7 +44,8 @@ class TenantPolicy(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     cache: str = Field(default=ISOLATED, description=f"cache sharing: {CACHE_RULE}")
-    normalize: bool = Field(default=False, description="canonicalize whitespace in prompts (kvops.engine.normalize)")
+    normalize: bool = Field(default=False,
+                            description="canonicalize whitespace in prompts (kvops.prompt_normalization)")
     mask: list[str] = Field(default_factory=list, description=f"volatile values replaced by a placeholder: {MASK_RULE} "
                                                               "(kvops.gateway.volatile)")
     max_concurrency: int | None = Field(default=None, ge=1, description="requests in flight at once; null: no limit")

@@ -7,11 +7,11 @@ import os
 
 import structlog
 
-from kvops.engine.api_keys import load_api_keys
 from kvops.gateway.policy import load_policy_file
 from kvops.gateway.state import Gateway, GatewaySettings, MiB
 from kvops.gateway.upstream import Upstream, UpstreamKind, UpstreamTimeouts
 from kvops.schema.errors import ConfigError
+from kvops.tenancy.api_keys import load_api_keys
 
 log = structlog.get_logger("kvops.gateway")
 DEFAULT_LISTEN = "127.0.0.1:9500"

@@ -9,7 +9,7 @@ prefix). A prompt's leading chunks found in the cache are the characters a prefi
 caches see the same prompts:
 
 - as the clients sent them;
-- whitespace-normalized (kvops.engine.normalize);
+- whitespace-normalized (kvops.prompt_normalization);
 - normalized, then every volatile value of kvops.gateway.volatile's catalog masked;
 - as sent, with no salt at all: each chunk remembers the namespace (the salt, `shared` for none) that last sent it.
   A prompt's chunks found there beyond what its own namespace found are what sharing a salt with that namespace
@@ -29,8 +29,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvops.engine.normalize import normalize_prompt
 from kvops.gateway.volatile import CATALOG, found, mask_text
+from kvops.prompt_normalization import normalize_prompt
 from kvops.schema.gateway import SHARED
 
 CHUNK_CHARS = 64  # about 16 tokens: a prefix shorter than a chunk is never counted as reused

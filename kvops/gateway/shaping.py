@@ -11,10 +11,10 @@ from typing import Any
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from kvops.engine.normalize import normalize_prompt
 from kvops.gateway.errors import GatewayError, bad_request
 from kvops.gateway.policy import TenantPolicy
 from kvops.gateway.volatile import mask_text
+from kvops.prompt_normalization import normalize_prompt
 
 
 async def read_json_object(request: Request, max_bytes: int, timeout_s: float) -> dict[str, Any]:
@@ -100,7 +100,7 @@ def wants_stream(value: object) -> bool:
 
 
 def _rewrite_prompts(body: dict[str, Any], policy: TenantPolicy) -> None:
-    """The policy's prompt rewriting (whitespace normalization, kvops.engine.normalize, then the masks of
+    """The policy's prompt rewriting (whitespace normalization, kvops.prompt_normalization, then the masks of
     kvops.gateway.volatile) on a completion's string prompt(s) and each chat message's string content; token ids
     and content parts are left as they are."""
 

@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from kvops.engine.api_keys import ApiKeys
 from kvops.gateway.accounting import Accounting
 from kvops.gateway.errors import GatewayError
 from kvops.gateway.limits import TenantLimits
 from kvops.gateway.policy import PolicyStore
 from kvops.gateway.shadow import ShadowReuse
 from kvops.gateway.upstream import Upstream
+from kvops.tenancy.api_keys import ApiKeys
 
 DEFAULT_TENANT = "default"
 MiB = 1024 * 1024
@@ -39,7 +39,7 @@ class Gateway:
 
     def tenant_of(self, request: Request) -> str:
         """The tenant of the request's API key; `default` without keys; 401 GatewayError without a valid key. The
-        key is compared by its sha256 digest in constant time (kvops.engine.api_keys) and never logged."""
+        key is compared by its sha256 digest in constant time (kvops.tenancy.api_keys) and never logged."""
         if self.keys is None:
             return DEFAULT_TENANT
         send = "send 'Authorization: Bearer <API key>' with the key you were given for your tenant"

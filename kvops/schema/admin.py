@@ -6,7 +6,7 @@ writes it), the knobs of `GET /admin/config` read before the change, how the cha
 from those knobs (the params sent, the audit's "before", the params that undo it) and the rules
 whose fixes use it. The engine registers its routes from this table, `EngineClient.admin` calls
 them through it, `FixManager` plans before/undo with it, and the rules name their actions from it,
-so adding an action is one row here plus its engine-side handler (kvops/engine/server.py).
+so adding an action is one row here plus its engine-side handler (kvops/engine/serving/admin_routes.py).
 
 A wire-layer module: pydantic and the standard library only (no torch, fastapi, engine or
 supervisor imports, and no urllib: the rules import it and must stay free of I/O modules), so

@@ -2,7 +2,7 @@
 series the supervisor's `/metrics` republishes from the snapshot it holds.
 
 Three places derive from these tables and nowhere else names a metric: the engine's exposition
-(`kvops.engine.metrics`), the adapter that reads a kvops engine's scrape back into a snapshot
+(`kvops.engine.serving.metrics`), the adapter that reads a kvops engine's scrape back into a snapshot
 (`kvops.adapters.kvops_metrics`) and the supervisor's exporter (`kvops.supervisor.exporter`).
 
 Two naming schemes, each a prefix before one stem: the engine's own `kvops_<stem>`, and the supervisor's
@@ -207,7 +207,7 @@ SNAPSHOT_METRICS: tuple[SnapshotMetric, ...] = (
        "Blocks swapped in per second over the snapshot window."),
     _g("swap_rate", "swap.window.swap_rate", "ratio",
        "Blocks swapped out per block allocated over the snapshot window (0..1+)."),
-    # tenants: the engine caps the `tenant` label (kvops/engine/metrics.py, TenantLabels)
+    # tenants: the engine caps the `tenant` label (kvops/tenancy/labels.py, TenantLabels)
     _g("tenant_blocks", f"tenants.{EACH}.blocks_held", BLOCKS, "Blocks held by the tenant's live sequences.",
        labels=("tenant",)),
     # The supervisor republishes these for every engine that reports tenants, or has a gateway that does

@@ -67,7 +67,7 @@ def encode_owner_map(owners: list[str | None]) -> tuple[str, list[str]]:
     return encode_block_map("".join(runs)), list(letters)
 
 
-# /stats response headers (the kvops engine writes them, kvops/engine/server.py; the supervisor's client reads them)
+# /stats response headers (kvops/engine/serving/stats_routes.py writes them; the supervisor's client reads them)
 SNAPSHOT_SOURCE_HEADER = "X-Kvops-Snapshot"  # "cached": kept fresh by the step loop; "built": for this request
 STEPS_KEPT_HEADER = "X-Kvops-Steps-Kept"  # on /stats?steps_after=T: how many recent steps the engine keeps
 

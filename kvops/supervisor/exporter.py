@@ -27,7 +27,6 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from kvops import __version__
-from kvops.engine.metrics import TenantLabels
 from kvops.kinds import managed_profile
 from kvops.rules import RULES
 from kvops.schema.diagnosis import Severity
@@ -43,6 +42,7 @@ from kvops.schema.metrics import (
     supervisor_metrics,
 )
 from kvops.schema.snapshot import Snapshot
+from kvops.tenancy.labels import TenantLabels
 
 if TYPE_CHECKING:
     from kvops.supervisor.supervisor import EngineState, Supervisor
@@ -127,7 +127,7 @@ def _gpu_families(engines: list[tuple[str, Snapshot]]) -> Iterator[Metric]:
 def _tenant_families(engines: list[tuple[str, Snapshot]],
                      labels: Mapping[str, TenantLabels]) -> Iterator[Metric]:
     """Each engine's tenants where it reports them: a tenant label per tenant up to the engine's limit, heaviest
-    first by prompt tokens when first seen, the rest summed as tenant="other" (kvops/engine/metrics.py's TenantLabels:
+    first by prompt tokens when first seen, the rest summed as tenant="other" (kvops.tenancy.labels' TenantLabels:
     tenant names come from clients, and a series must never move between a tenant and "other")."""
     families = {row.stem: _family(row, [*ENGINE_LABELS, "tenant"]) for row in TENANT_SERIES}
     for engine, snap in engines:

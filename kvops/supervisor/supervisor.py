@@ -30,7 +30,6 @@ import structlog
 from kvops.adapters.engine_client import EngineClient, EngineUnreachable
 from kvops.adapters.plausibility import backwards, snapshot_problems
 from kvops.alerting import Alerter
-from kvops.engine.metrics import TenantLabels
 from kvops.events.endpoint import EventSource
 from kvops.history import EngineHistory, HealthSample, at_start
 from kvops.kinds import Capability, profile_of
@@ -51,6 +50,7 @@ from kvops.supervisor.managed_engine import ManagedEngine
 from kvops.supervisor.managed_gateway import GatewayHandle
 from kvops.supervisor.poll_timing import PollTiming
 from kvops.supervisor.probes import ProbeRefused, Probes
+from kvops.tenancy.labels import TenantLabels
 from kvops.watching import WatchedEngineClient
 
 log = structlog.get_logger("kvops.supervisor")

@@ -21,13 +21,13 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvops.engine.api_keys import load_api_keys
 from kvops.gateway.app import build_gateway_app
 from kvops.gateway.policy import PolicyStore
 from kvops.gateway.shaping import wants_stream
 from kvops.gateway.state import Gateway, GatewaySettings
 from kvops.gateway.upstream import Upstream, UpstreamKind, UpstreamTimeouts
 from kvops.processes import free_port
+from kvops.tenancy.api_keys import load_api_keys
 
 KEYS = {"team-a": "a" * 8 + "0123456789abcdef", "team-b": "b" * 8 + "0123456789abcdef"}
 ADMIN_TOKEN = "admin-token-0123456789"

@@ -31,24 +31,15 @@ space at the start or end of a line. Normalization is idempotent: ``normalize_pr
 
 `normalize_messages` applies `normalize_prompt` to the string ``content`` of each chat message.
 
-`NormalizationMode` is the engine's switch: ``off`` serves prompts unchanged; ``shadow`` serves
-them unchanged but estimates the hit rate normalization would give (see
-`kvops.engine.shadow_cache`); ``on`` serves normalized prompts.
+The engine (`--normalize-prompts`, kvops.engine.config's `NormalizationMode`) and the tenant gateway (a
+policy's `normalize`) apply the same rules, so a prompt normalizes alike in front of vLLM and in the engine.
 """
 
 from __future__ import annotations
 
 import re
 import unicodedata
-from enum import StrEnum
 from typing import Any
-
-
-class NormalizationMode(StrEnum):
-    OFF = "off"
-    SHADOW = "shadow"
-    ON = "on"
-
 
 # Unicode category Zs (space separators), as of Unicode 15; tests check this against unicodedata.
 SPACE_SEPARATORS = "\u0020\u00a0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u202f\u205f\u3000"

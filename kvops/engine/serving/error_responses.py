@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from kvops.engine.protocol import ErrorBody, ErrorResponse
+from kvops.engine.serving.protocol import ErrorBody, ErrorResponse
 
 
 def error_response(status: int, message: str, param: str | None = None,

@@ -1,8 +1,9 @@
-"""API keys → tenants, and the rule for tenant names.
+"""API keys → tenants: the keys a server accepts, each naming the tenant its requests are accounted to.
 
 Keys come from a file (`--api-keys-file`) and/or an environment variable (`--api-keys-env`); see
-docs/server.md, "Authentication and tenants". Only the sha256 digest of each key is kept, so a key
-cannot leak through the engine's state, a repr, a log line or `/stats`. Torch-free, like the config.
+docs/server.md, "Authentication and tenants". The engine and the tenant gateway read them the same way. Only
+the sha256 digest of each key is kept, so a key cannot leak through a server's state, a repr, a log line or
+`/stats`.
 """
 
 from __future__ import annotations
@@ -13,41 +14,13 @@ import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from kvops.engine.errors import InvalidRequestError
-from kvops.schema.errors import ConfigError, EngineError
+from kvops.schema.errors import ConfigError
+from kvops.tenancy.names import tenant_name_problem
 
-if TYPE_CHECKING:
-    from kvops.engine.config import EngineConfig
-
-# Printable ASCII without leading or trailing space: '/', ' ', '?', '#', '%' are allowed (URLs quote them),
-# control characters (forged log lines), non-ASCII look-alikes and unbounded lengths are not.
-TENANT_NAME_RULE = "1 to 64 printable ASCII characters, not starting or ending with a space"
-_TENANT_NAME = re.compile(r"[!-~](?:[ -~]{0,62}[!-~])?")
 MIN_KEY_LENGTH = 16
 _KEY = re.compile(r"[!-~]+")  # printable ASCII, no space: the last field of a key-file line
 KEY_EXAMPLE = "generate one with: openssl rand -hex 24"
-
-
-class AuthenticationError(EngineError):
-    """A request without a valid API key; the server answers 401 with this message."""
-
-
-def tenant_name_problem(name: str) -> str | None:
-    """Why `name` is not a valid tenant name, or None when it is."""
-    if _TENANT_NAME.fullmatch(name):
-        return None
-    shown = repr(name) if len(name) <= 80 else repr(name[:80]) + "..."
-    return f"tenant name {shown} is not valid: use {TENANT_NAME_RULE}"
-
-
-def check_client_tenant(name: str, field: str) -> str:
-    """A tenant named by a request (`user`, `X-Tenant`, an admin path): the name, or a 400 naming the field."""
-    problem = tenant_name_problem(name)
-    if problem is not None:
-        raise InvalidRequestError(f"{field}: {problem}", field)
-    return name
 
 
 def _digest(key: str) -> bytes:
@@ -168,55 +141,3 @@ def load_api_keys(path: str | None, env_name: str | None) -> ApiKeys | None:
         raise ConfigError(f"--api-keys-file {path}: no keys in it; write one `TENANT KEY` per line (an empty key "
                           "file would lock every client out)")
     return _build(entries)
-
-
-class TenantResolver:
-    """Which tenant a request is accounted to.
-
-    No keys: the client names it (`user`, else `X-Tenant`, else `default`), the trusted mode. With keys: a valid
-    `Authorization: Bearer <key>` is required and its tenant is the request's; `user` and `X-Tenant` are ignored,
-    unless `trust_client_tenant` lets an authenticated client (a gateway) name the tenant itself.
-    """
-
-    def __init__(self, keys: ApiKeys | None, trust_client_tenant: bool = False) -> None:
-        self.keys = keys
-        self.trust_client_tenant = trust_client_tenant or keys is None
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> TenantResolver:
-        """The engine's keys (`--api-keys-file`, `--api-keys-env`); ConfigError for a bad key file."""
-        return cls(load_api_keys(config.api_keys_file, config.api_keys_env), config.trust_client_tenant)
-
-    def authenticate(self, authorization: str | None) -> str | None:
-        """The key's tenant (None without keys); AuthenticationError for a missing or unknown key."""
-        if self.keys is None:
-            return None
-        send = "send 'Authorization: Bearer <API key>' with the key you were given for your tenant"
-        if not authorization or not authorization.startswith("Bearer "):
-            raise AuthenticationError(f"this engine needs an API key: {send}")
-        tenant = self.keys.tenant_for(authorization.removeprefix("Bearer ").strip())
-        if tenant is None:
-            raise AuthenticationError(f"the API key is not valid: {send}")
-        return tenant
-
-    def tenant(self, key_tenant: str | None, user: str | None, header: str | None) -> str:
-        """The request's tenant, given what `authenticate` returned; a 400 for a client-named tenant that breaks
-        the name rule. Ignored client names are not checked: they cannot change anything."""
-        if self.trust_client_tenant:
-            if user:
-                return check_client_tenant(user, "user")
-            if header:
-                return check_client_tenant(header, "X-Tenant")
-        return key_tenant or "default"
-
-
-def admin_refusal(admin_token: str | None, authorization: str | None) -> tuple[int, str, str] | None:
-    """Why an admin request is refused, as (HTTP status, message, error type), or None when its token is right.
-    The admin token is apart from the API keys: a tenant's key never opens /admin."""
-    if admin_token is None:
-        return 404, "admin endpoints are disabled: start the engine with --admin-token", "not_found_error"
-    if not authorization or not authorization.startswith("Bearer "):
-        return 401, "admin endpoints need 'Authorization: Bearer <admin token>'", "authentication_error"
-    if not hmac.compare_digest(authorization.removeprefix("Bearer ").encode(), admin_token.encode()):
-        return 403, "the admin token is wrong", "permission_error"
-    return None

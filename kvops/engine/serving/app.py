@@ -1,8 +1,7 @@
 """The engine as an HTTP service: OpenAI-compatible API, /health, /stats, /metrics, /admin.
 
-FastAPI on uvicorn. `build_app` composes three groups of routes — OpenAI (kvops.engine.routes_openai), stats
-(kvops.engine.routes_stats) and admin (kvops.engine.routes_admin) — around one engine, and maps errors to
-OpenAI's error body with the offending field.
+FastAPI on uvicorn. `build_app` composes three groups of routes — OpenAI (openai_routes), stats (stats_routes)
+and admin (admin_routes) — around one engine, and maps errors to OpenAI's error body with the offending field.
 """
 
 from __future__ import annotations
@@ -17,15 +16,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvops.engine.api_keys import AuthenticationError, TenantResolver
-from kvops.engine.async_engine import AsyncEngine
 from kvops.engine.engine import LLMEngine
 from kvops.engine.errors import InvalidRequestError
-from kvops.engine.metrics import EngineMetrics
-from kvops.engine.responses import error_response
-from kvops.engine.routes_admin import add_admin_routes
-from kvops.engine.routes_openai import add_openai_routes
-from kvops.engine.routes_stats import add_stats_routes
+from kvops.engine.serving.admin_routes import add_admin_routes
+from kvops.engine.serving.async_engine import AsyncEngine
+from kvops.engine.serving.auth import AuthenticationError, TenantResolver
+from kvops.engine.serving.error_responses import error_response
+from kvops.engine.serving.metrics import EngineMetrics
+from kvops.engine.serving.openai_routes import add_openai_routes
+from kvops.engine.serving.stats_routes import add_stats_routes
 from kvops.schema.errors import ConfigError
 
 log = structlog.get_logger("kvops.engine.server")

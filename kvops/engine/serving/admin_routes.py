@@ -13,14 +13,14 @@ from fastapi import FastAPI, Header
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvops.engine.api_keys import admin_refusal, check_client_tenant
-from kvops.engine.async_engine import AsyncEngine
 from kvops.engine.block_size_profile import DEFAULT_CANDIDATES, profile_block_size
 from kvops.engine.config import parse_layers
 from kvops.engine.engine import LLMEngine
 from kvops.engine.errors import InvalidRequestError
 from kvops.engine.kv_error_profile import DEFAULT_STEPS, DEFAULT_THRESHOLD, profile_kv_error
-from kvops.engine.responses import error_response
+from kvops.engine.serving.async_engine import AsyncEngine
+from kvops.engine.serving.auth import admin_refusal, check_client_tenant
+from kvops.engine.serving.error_responses import error_response
 from kvops.schema.admin import (
     ADMIN_ACTIONS,
     AdminAction,

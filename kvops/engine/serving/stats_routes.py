@@ -8,8 +8,8 @@ import time
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from kvops.engine.async_engine import AsyncEngine
-from kvops.engine.metrics import EngineMetrics
+from kvops.engine.serving.async_engine import AsyncEngine
+from kvops.engine.serving.metrics import EngineMetrics
 from kvops.schema.snapshot import SNAPSHOT_SOURCE_HEADER, STEPS_KEPT_HEADER
 
 HEALTH_STALL_S = 30.0  # a step loop silent for this long is stuck: /health says 503

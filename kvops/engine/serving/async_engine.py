@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 import structlog
 
 from kvops.engine.engine import LLMEngine, RequestOutput
-from kvops.engine.metrics import EngineMetrics
 from kvops.engine.sampling import SamplingParams
-from kvops.engine.snapshot_cache import SnapshotCache
+from kvops.engine.serving.metrics import EngineMetrics
+from kvops.engine.serving.snapshot_cache import SnapshotCache
 
 log = structlog.get_logger("kvops.engine.loop")
 

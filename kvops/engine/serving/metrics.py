@@ -16,7 +16,6 @@ Every metric is listed in docs/metrics.md.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -25,7 +24,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvops.engine.config import DEFAULT_MAX_TENANT_LABELS
 from kvops.engine.stats import LATENCY_BUCKETS
 from kvops.schema.metrics import (
     ENGINE_INFO,
@@ -39,10 +37,10 @@ from kvops.schema.metrics import (
     split_each,
 )
 from kvops.schema.snapshot import BLOCK_STATE_CODES, Snapshot, TenantStats
+from kvops.tenancy.labels import DEFAULT_MAX_TENANT_LABELS, TenantLabels
 
-log = structlog.get_logger("kvops.engine.metrics")
+log = structlog.get_logger("kvops.engine.metrics")  # the logger name operators already filter on
 
-OTHER_TENANT = "other"  # the label of the tenants summed together (TenantLabels)
 TOKEN_BUCKETS: tuple[float, ...] = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 
 
@@ -61,43 +59,6 @@ class _WithoutCreated(Collector):
             kept = Metric(family.name, family.documentation, family.type, family.unit)
             kept.samples = [sample for sample in family.samples if not sample.name.endswith("_created")]
             yield kept
-
-
-class TenantLabels:
-    """Which tenants have a `tenant` label of their own; the others are summed as tenant="other".
-
-    Tenant names come from clients, so one label per tenant would let them grow /metrics without bound.
-    A tenant keeps its label until restart once given one, and the first `limit` tenants seen get one
-    (those first seen in the same scrape heaviest first, by prompt tokens): a tenant that moved between
-    its own series and "other" would make both counters jump, down in one and up in the other, which
-    Prometheus reads as a reset and a burst. So every series here only grows. `/stats` keeps every tenant.
-    """
-
-    def __init__(self, limit: int = DEFAULT_MAX_TENANT_LABELS) -> None:
-        self.limit = limit
-        self._own: set[str] = set()
-        self._lock = threading.Lock()  # the step loop observes while a scrape may be admitting
-
-    def label(self, tenant: str) -> str:
-        with self._lock:
-            if tenant in self._own:
-                return tenant
-            # A tenant really named "other" is counted in the aggregate: two series with one label set
-            # would make the exposition invalid.
-            if tenant != OTHER_TENANT and len(self._own) < self.limit:
-                self._own.add(tenant)
-                return tenant
-            return OTHER_TENANT
-
-    def admit(self, tenants: Iterable[str]) -> None:
-        """Give free labels to these tenants, in this order."""
-        for tenant in tenants:
-            self.label(tenant)
-
-    @property
-    def labelled(self) -> frozenset[str]:
-        with self._lock:
-            return frozenset(self._own)
 
 
 class _SnapshotCollector(Collector):
@@ -250,4 +211,4 @@ class EngineMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-__all__ = ["LATENCY_BUCKETS", "OTHER_TENANT", "TOKEN_BUCKETS", "EngineMetrics", "TenantLabels", "snapshot_families"]
+__all__ = ["LATENCY_BUCKETS", "TOKEN_BUCKETS", "EngineMetrics", "snapshot_families"]

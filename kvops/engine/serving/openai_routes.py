@@ -12,11 +12,12 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from kvops.engine.api_keys import TenantResolver
-from kvops.engine.async_engine import AsyncEngine
 from kvops.engine.engine import RequestOutput
 from kvops.engine.errors import InvalidRequestError
-from kvops.engine.protocol import (
+from kvops.engine.sampling import SamplingParams
+from kvops.engine.serving.async_engine import AsyncEngine
+from kvops.engine.serving.auth import TenantResolver
+from kvops.engine.serving.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -32,7 +33,6 @@ from kvops.engine.protocol import (
     PromptTokensDetails,
     Usage,
 )
-from kvops.engine.sampling import SamplingParams
 from kvops.schema.errors import EngineError
 
 Decode = Callable[[list[int]], str]  # token ids to text: the engine's tokenizer
