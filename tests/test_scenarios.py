@@ -1,6 +1,6 @@
 """Every diagnosis reproduced on the real engine under the supervisor: fault → diagnosis → fix →
 verification (kvops/scenarios, docs/scenarios.md). The quick ones run in every test run, and so does
-`clean` (two minutes of healthy load: the false-positive check); the other long ones (a minute or more
+`clean` (90 s of healthy load: the false-positive check); the other long ones (a minute or more
 each) are marked slow: `pytest -m slow tests/test_scenarios.py`."""
 
 from __future__ import annotations
