@@ -24,9 +24,9 @@ from kvops.history import EngineHistory
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
 from kvops.schema.verdict import Verdict, VerdictKind
 from kvops.supervisor.api import build_supervisor_app
-from kvops.supervisor.audit import AuditLog
 from kvops.supervisor.config import KvopsConfig
-from kvops.supervisor.fixes import FixManager, Target
+from kvops.supervisor.fixes.audit import AuditLog
+from kvops.supervisor.fixes.manager import FixManager, Target
 from kvops.supervisor.supervisor import Supervisor
 from tests.helpers.synthetic import snapshot
 from tests.helpers.waiting import wait_for
@@ -210,7 +210,7 @@ min_queried_tokens = 300
 
 
 def test_a_corrupt_state_file_is_moved_aside_not_a_crash(tmp_path: Path):
-    from kvops.supervisor.fix_state import FixStateStore
+    from kvops.supervisor.fixes.state import FixStateStore
 
     path = tmp_path / "fix_jobs.json"
     path.write_text('{"version": 1, "jobs": [{"id": ')  # cut short by a crash of the disk, not of ours

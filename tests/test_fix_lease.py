@@ -1,4 +1,4 @@
-"""The fix lease (kvops/supervisor/fix_lease.py) on its own, with an injected clock: acquire, renew, takeover once
+"""The fix lease (kvops/supervisor/fixes/lease.py) on its own, with an injected clock: acquire, renew, takeover once
 the holder's lease expired (not before), a corrupt or unreadable file, release, a lock that stays taken; its
 settings; and a supervisor in process that does not hold it (auto fixes proposed, apply and revert refused with the
 holder named, the role on the API and /metrics). Two real supervisors and a real Alertmanager:
@@ -20,7 +20,7 @@ from kvops.schema.errors import ConfigError
 from kvops.supervisor import exporter
 from kvops.supervisor.api import build_supervisor_app
 from kvops.supervisor.config import load_config, parse_config
-from kvops.supervisor.fix_lease import FixLease, LeaseRecord, lock_path
+from kvops.supervisor.fixes.lease import FixLease, LeaseRecord, lock_path
 from kvops.supervisor.supervisor import Supervisor
 
 TTL = 10.0

@@ -16,8 +16,8 @@ from kvops.engine.serving.app import build_app
 from kvops.history import EngineHistory
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
 from kvops.schema.verdict import Verdict, VerdictKind
-from kvops.supervisor.audit import AuditLog
-from kvops.supervisor.fixes import FixError, FixManager, Target
+from kvops.supervisor.fixes.audit import AuditLog
+from kvops.supervisor.fixes.manager import FixError, FixManager, Target
 from tests.helpers.waiting import wait_for
 
 

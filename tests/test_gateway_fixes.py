@@ -22,11 +22,11 @@ from kvops.loadgen.prompts import add_noise
 from kvops.schema.diagnosis import Diagnosis, FixKind, Objective, Severity
 from kvops.schema.gateway import gateway_fix
 from kvops.schema.verdict import Verdict, VerdictKind
-from kvops.supervisor.audit import AuditLog
-from kvops.supervisor.fix_jobs import Target
-from kvops.supervisor.fixes import FixManager
-from kvops.supervisor.gateway_admin import GatewayAdmin
-from kvops.supervisor.measures import measure
+from kvops.supervisor.fixes.audit import AuditLog
+from kvops.supervisor.fixes.gateway import GatewayAdmin
+from kvops.supervisor.fixes.jobs import Target
+from kvops.supervisor.fixes.manager import FixManager
+from kvops.supervisor.fixes.measures import measure
 from tests.helpers.gateway_servers import ADMIN_TOKEN, Recorder, auth, gateway_in_front_of, serving
 from tests.helpers.synthetic import snapshot
 from tests.helpers.waiting import wait_for

@@ -1,5 +1,5 @@
-"""The measures of a window of snapshots (kvops.supervisor.measures) and the verdict on a fix from its outcome
-(kvops.supervisor.judge), on synthetic windows whose numbers are known."""
+"""The measures of a window of snapshots (kvops.supervisor.fixes.measures) and the verdict on a fix from its outcome
+(kvops.supervisor.fixes.judge), on synthetic windows whose numbers are known."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import kvops.rules as rules_pkg
 from kvops.schema.diagnosis import Objective
 from kvops.schema.snapshot import Snapshot
 from kvops.schema.verdict import VerdictKind
-from kvops.supervisor.judge import JudgeSettings, judge
-from kvops.supervisor.measures import MEASURES, measure, split
+from kvops.supervisor.fixes.judge import JudgeSettings, judge
+from kvops.supervisor.fixes.measures import MEASURES, measure, split
 from tests.helpers.synthetic import T0, decode_steps, history_of, merged, steps_until
 
 EVERY = 5.0

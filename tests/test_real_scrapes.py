@@ -384,7 +384,7 @@ def test_vllm_cpu_latency_means_for_the_judge_come_from_its_histograms():
     # vLLM reports TTFT and inter-token latency only as histograms (its `requests` sums stay 0), which is what the
     # judge's ttft_mean_s and itl_mean_s fall back to. idle.txt and loaded.txt are two processes of the same build;
     # the test gives idle.txt loaded.txt's start time (an edit, said here) so the two read as one run's window.
-    from kvops.supervisor.measures import measure
+    from kvops.supervisor.fixes.measures import measure
 
     loaded_text = (CAPTURED / "loaded.txt").read_text()
     start = re.search(r"^process_start_time_seconds (\S+)$", loaded_text, re.M).group(1)  # type: ignore[union-attr]

@@ -29,8 +29,8 @@ from kvops.schema.diagnosis import Diagnosis, FixKind, Severity
 from kvops.schema.histogram import bucket_quantile
 from kvops.schema.kv_events import RESIDENCY_BOUNDS_S
 from kvops.schema.verdict import VerdictKind
-from kvops.supervisor.judge import judge
-from kvops.supervisor.measures import measure
+from kvops.supervisor.fixes.judge import judge
+from kvops.supervisor.fixes.measures import measure
 from tests.helpers.synthetic import T0, history_of
 
 VLLM_FIXTURES = Path(__file__).parent / "fixtures" / "vllm-cpu"

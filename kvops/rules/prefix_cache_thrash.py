@@ -119,6 +119,6 @@ def _fix(latest: Snapshot, snaps: list[Snapshot], needed: int | None, share: flo
         return Fix(kind=FixKind.REPORT, action="advice",
                    description=f"{reason}: give the engine more KV memory or run fewer sequences at once, so a "
                                f"block survives until the next request that needs it"), numbers
-    # kvops.supervisor.measures' re-stored blocks over stored blocks, from the events.
+    # kvops.supervisor.fixes.measures' re-stored blocks over stored blocks, from the events.
     objective = Objective(measure="kv_restore_share", better="lower", min_effect=settings.verify_min_change)
     return fix.model_copy(update={"objectives": [objective]}), numbers

@@ -28,7 +28,7 @@ class FixKind(enum.StrEnum):
 
 
 class Objective(BaseModel):
-    """What a fix must move, measured on the engine's snapshots (a measure of kvops.supervisor.measures) over
+    """What a fix must move, measured on the engine's snapshots (a measure of kvops.supervisor.fixes.measures) over
     equal windows before and after the fix: which way, and the smallest effect that counts."""
 
     measure: str  # a key of kvops.supervisor.measures.MEASURES, e.g. "hit_rate", "preemptions_per_s"
@@ -46,7 +46,7 @@ class Fix(BaseModel):
     params: dict[str, Any] = Field(default_factory=dict)  # e.g. {"mode": "on"}, {"block_size": 32}
     description: str  # one sentence a person can act on, with the numbers
     # What it must move for kvops to keep it: every objective must improve (and the guards of
-    # kvops.supervisor.judge must hold). Empty for a report, or a change kvops cannot measure (then kept
+    # kvops.supervisor.fixes.judge must hold). Empty for a report, or a change kvops cannot measure (then kept
     # or rolled back by policy, with a note).
     objectives: list[Objective] = Field(default_factory=list)
 

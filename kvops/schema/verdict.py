@@ -1,6 +1,6 @@
 """A fix's verdict: what its objectives and the guards measured before and after it, and what that means.
 
-Written by the supervisor's fix jobs (kvops.supervisor.judge decides it) into the audit log, the API and
+Written by the supervisor's fix jobs (kvops.supervisor.fixes.judge decides it) into the audit log, the API and
 the persisted job state; read by `kvops top` and the scenarios.
 """
 

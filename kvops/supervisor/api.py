@@ -46,8 +46,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvops.schema.audit import AuditEntry
 from kvops.schema.engines import EngineEntry
 from kvops.supervisor import exporter
-from kvops.supervisor.fix_lease import ALONE
-from kvops.supervisor.fixes import FixError, NotHolder, RevertPending
+from kvops.supervisor.fixes.lease import ALONE
+from kvops.supervisor.fixes.manager import FixError, NotHolder, RevertPending
 from kvops.supervisor.managed_engine import LOG_TAIL_LINES, ManagedEngine
 from kvops.supervisor.probes import ProbeRefused
 

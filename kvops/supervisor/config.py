@@ -32,8 +32,8 @@ from kvops.events.endpoint import EventSource, parse_source
 from kvops.kinds import AUTO, PROFILES, Capability, kinds, managed_kinds, managed_profile, profile
 from kvops.rules import RULES
 from kvops.schema.errors import ConfigError
-from kvops.supervisor.fix_lease import lease_problem
-from kvops.supervisor.judge import JudgeSettings
+from kvops.supervisor.fixes.judge import JudgeSettings
+from kvops.supervisor.fixes.lease import lease_problem
 from kvops.supervisor.launchers import MANAGED, EngineStart, managed_kind
 from kvops.supervisor.probes import BlockSizeProfileSettings
 from kvops.vllm.launch import KV_EVENTS_KEY, managed_event_endpoints, read_kv_events_config

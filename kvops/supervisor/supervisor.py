@@ -9,7 +9,7 @@ waits for them. kvops's own faults (rules that raise, alerts that cannot be deli
 counted for /metrics and raised as diagnoses of their own (kvops.alerting's self diagnoses). The KV cache
 events of the engines that publish them are read all along (kvops.supervisor.event_feeds) and added to each
 poll's snapshot. With `fix_lease` set, two supervisors watch one engine and only the lease's holder applies fixes
-(kvops.supervisor.fix_lease): each evaluation renews it, and a standby proposes what the holder would apply.
+(kvops.supervisor.fixes.lease): each evaluation renews it, and a standby proposes what the holder would apply.
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ from kvops.rules import evaluate_all
 from kvops.schema.diagnosis import Diagnosis, Severity
 from kvops.schema.engines import GatewayLink
 from kvops.schema.snapshot import Snapshot
-from kvops.supervisor.audit import AuditLog
 from kvops.supervisor.config import EngineSpec, KvopsConfig
 from kvops.supervisor.event_feeds import EventFeeds
-from kvops.supervisor.fix_jobs import real_judge
-from kvops.supervisor.fix_lease import FixLease
-from kvops.supervisor.fixes import FixManager, Target
-from kvops.supervisor.gateway_admin import GatewayAdmin
+from kvops.supervisor.fixes.audit import AuditLog
+from kvops.supervisor.fixes.gateway import GatewayAdmin
+from kvops.supervisor.fixes.jobs import Target, real_judge
+from kvops.supervisor.fixes.lease import FixLease
+from kvops.supervisor.fixes.manager import FixManager
 from kvops.supervisor.gateway_tenants import GatewayTenants
 from kvops.supervisor.hysteresis import Hysteresis
 from kvops.supervisor.managed_engine import ManagedEngine

@@ -1,7 +1,7 @@
 """The fix audit log: every step of every fix (proposed, applied, verified, rolled back, failed,
 reverted), kept in memory for the API and `kvops top`, appended to `audit.jsonl` in the state
 directory so it survives a supervisor restart, and logged. The entry model is
-kvops.schema.audit.AuditEntry; what the steps mean is kvops.supervisor.fixes's business.
+kvops.schema.audit.AuditEntry; what the steps mean is the fix jobs' business (kvops.supervisor.fixes.jobs).
 """
 
 from __future__ import annotations

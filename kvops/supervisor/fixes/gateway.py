@@ -1,6 +1,6 @@
 """Live fixes through a `kvops gateway`: a tenant's policy read and changed on the gateway's admin API (docs/gateway.md,
 "The admin API"), the way kvops.adapters.engine_client changes an engine's knobs. The fix jobs
-(kvops.supervisor.fix_jobs) call it for a fix of kind `gateway`.
+(kvops.supervisor.fixes.jobs) call it for a fix of kind `gateway`.
 
 Failures are EngineUnreachable, as the engine client's are, so a fix job handles a gateway that does not answer as
 it handles an engine that does not: the change is not made (failed), or its undo is retried.

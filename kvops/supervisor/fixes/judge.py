@@ -1,7 +1,7 @@
 """A fix's verdict from its outcome: its objectives and the guards, measured over a window before the fix and
-an equal one after it (kvops.supervisor.measures).
+an equal one after it (kvops.supervisor.fixes.measures).
 
-A pure function of the two windows. The fix jobs (kvops.supervisor.fixes) pick the windows, extend the
+A pure function of the two windows. The fix jobs (kvops.supervisor.fixes.jobs) pick the windows, extend the
 after-window once when the verdict is inconclusive, and decide FAILED (the engine went down) themselves.
 
 - An objective improved when it moved the right way by more than its smallest effect and than the noise
@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvops.schema.diagnosis import Objective
 from kvops.schema.snapshot import Snapshot
 from kvops.schema.verdict import Change, Verdict, VerdictKind
-from kvops.supervisor.measures import MEASURES, Measurement, measure, traffic
+from kvops.supervisor.fixes.measures import MEASURES, Measurement, measure, traffic
 
 Better = Literal["lower", "higher"]
 THROUGHPUT = "throughput_tokens_per_s"

@@ -1,15 +1,15 @@
 """A fix job's life, in one place: queued -> applying (an admin call, or a managed restart that may take
 minutes) -> verifying (the after-window) -> verified (kept) / rolled_back / failed.
 
-The poll loop only enqueues (kvops.supervisor.fixes decides what, by policy), so polling and the other engines
-never wait for a fix: `FixJobs` owns a `JobRunner` (kvops.supervisor.fix_runner), one worker thread per engine,
-and hands it `run`, the life below. The verdict is kvops.supervisor.judge's, on the engine's snapshots over
+The poll loop only enqueues (kvops.supervisor.fixes.manager decides what, by policy), so polling and the other engines
+never wait for a fix: `FixJobs` owns a `JobRunner` (kvops.supervisor.fixes.runner), one worker thread per engine,
+and hands it `run`, the life below. The verdict is kvops.supervisor.fixes.judge's, on the engine's snapshots over
 equal windows before the change and after it took effect; inconclusive gets one more window, then the
 `inconclusive` policy. The engine going down in the window, or a restart that does not come up, is `failed`:
 back on the last good settings, started and health-checked. An undo that cannot reach the engine (a revert, a
 rollback) is retried every `revert_retry_s` until it succeeds, by the same worker, so no new fix starts meanwhile.
-Every step goes to the audit log (kvops.supervisor.audit) with its numbers; pending jobs and each managed
-engine's last good settings are persisted on every change of state (kvops.supervisor.fix_state).
+Every step goes to the audit log (kvops.supervisor.fixes.audit) with its numbers; pending jobs and each managed
+engine's last good settings are persisted on every change of state (kvops.supervisor.fixes.state).
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from kvops.schema.audit import AuditEntry
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective
 from kvops.schema.snapshot import Snapshot
 from kvops.schema.verdict import Verdict, VerdictKind
-from kvops.supervisor.audit import AuditLog
-from kvops.supervisor.fix_runner import JobRunner
-from kvops.supervisor.fix_state import MAX_BEFORE_SNAPSHOTS, PENDING, FixJob, FixStateFile, FixStateStore, LastGood
-from kvops.supervisor.gateway_admin import GatewayAdmin
-from kvops.supervisor.judge import DEFAULT_SETTINGS, JudgeSettings, judge
+from kvops.supervisor.fixes.audit import AuditLog
+from kvops.supervisor.fixes.gateway import GatewayAdmin
+from kvops.supervisor.fixes.judge import DEFAULT_SETTINGS, JudgeSettings, judge
+from kvops.supervisor.fixes.runner import JobRunner
+from kvops.supervisor.fixes.state import MAX_BEFORE_SNAPSHOTS, PENDING, FixJob, FixStateFile, FixStateStore, LastGood
 from kvops.supervisor.managed_engine import ManagedEngine
 
 log = structlog.get_logger("kvops.supervisor.fixes")

@@ -1,7 +1,7 @@
 """The threads fix jobs run on: one worker per engine takes that engine's queue one job at a time, so a
 restart that takes minutes holds up neither the poll loop nor the other engines.
 
-The runner knows nothing of what a job does: `FixJobs` (kvops.supervisor.fix_jobs) owns a runner and hands it
+The runner knows nothing of what a job does: `FixJobs` (kvops.supervisor.fixes.jobs) owns a runner and hands it
 the function that runs one job's life, and the one that closes a job whose run raised.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import structlog
 
-from kvops.supervisor.fix_state import FixJob
+from kvops.supervisor.fixes.state import FixJob
 
 log = structlog.get_logger("kvops.supervisor.fixes")
 

@@ -7,7 +7,7 @@ comes from deltas between consecutive snapshots; a pair spanning an engine resta
 restart from zero, and the run before had another config), and a counter that went down inside a run counts
 from its reset, like Prometheus's `increase`.
 
-Pure functions of snapshots, like the rules: the fix jobs (kvops.supervisor.fixes) and tests call them.
+Pure functions of snapshots, like the rules: the fix jobs (kvops.supervisor.fixes.jobs) and tests call them.
 """
 
 from __future__ import annotations
