@@ -187,7 +187,7 @@ def test_doctor_reads_the_fleet_and_each_diagnosis_from_its_supervisor(stack: Fl
 
 
 def test_fleet_app_lists_worst_first_and_enter_opens_the_supervisor(stack: FleetStack):
-    from kvops.top.fleet import FleetTop
+    from kvops.fleet.app import FleetTop
 
     async def drive() -> tuple[list[str], tuple[str, str] | None]:
         app = FleetTop(stack.read, interval_s=60)

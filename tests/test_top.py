@@ -24,7 +24,7 @@ from kvops.schema.engines import EngineEntry
 from kvops.schema.snapshot import Snapshot, decode_block_map, encode_owner_map
 from kvops.top.app import KvopsTop
 from kvops.top.bench import synthetic_codes
-from kvops.top.block_map import aggregate, aggregate_owners, layout, layout_owners, render_rows
+from kvops.top.block_grid import aggregate, aggregate_owners, layout, layout_owners, render_rows
 from kvops.top.client import Poller, SupervisorRefused, SupervisorUnreachable
 from kvops.top.render import histogram_lines, render_json, render_once, series
 from kvops.top.screens import ConfirmScreen, DetailScreen

@@ -7,7 +7,7 @@ supervisor and engine for the session (`embedded`), `--demo` also a mixed worklo
 nothing answering and neither flag it says how to get a supervisor, and exits 2.
 
 `--prometheus URL [--selector '{...}']` shows the fleet instead: every engine of every supervisor that Prometheus
-scrapes, worst first (`fleet`), and opens a row's supervisor as `--attach` would.
+scrapes, worst first (kvops.fleet.run, handed `_run_app`), and opens a row's supervisor as `--attach` would.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def run_top(attach: str | None = None, once: bool = False, as_json: bool = False
         return EXIT_USAGE
     admin_token = admin_token or os.environ.get(ADMIN_TOKEN_ENV)
     if prometheus:
-        from kvops.top.fleet_run import run_fleet
+        from kvops.fleet.run import run_fleet
 
         return run_fleet(prometheus, selector, once, as_json, admin_token, interval_s, _run_app)
     url, source = (attach, None) if attach else default_url()

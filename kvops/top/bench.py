@@ -26,7 +26,7 @@ from kvops.schema.audit import AuditEntry
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Severity
 from kvops.schema.engines import EngineEntry, LogLine
 from kvops.schema.snapshot import BLOCK_STATE_CODES, Snapshot, encode_block_map, encode_owner_map
-from kvops.top.block_map import CODE_PRIORITY, layout, render_rows
+from kvops.top.block_grid import CODE_PRIORITY, layout, render_rows
 from kvops.top.client import EngineView, TopState
 
 

@@ -16,9 +16,10 @@ from typing import Any
 from rich.text import Text
 from textual.app import ComposeResult
 
+from kvops.row_table import RowTable
 from kvops.schema.audit import AuditEntry
 from kvops.schema.diagnosis import Fix
-from kvops.top.widgets.common import Detail, RowTable, TablePanel
+from kvops.top.widgets.common import Detail, TablePanel
 
 AUDIT_COLOURS = {"queued": "cyan", "applying": "yellow", "verifying": "yellow", "applied": "yellow",
                  "verified": "green", "rolled_back": "red", "failed": "bold red", "reverted": "magenta"}

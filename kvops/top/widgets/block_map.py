@@ -1,5 +1,5 @@
 """The block map panel: the highlighted engine's KV blocks, one glyph per cell, by state or (`t`) by
-the tenant owning each block, and a legend. The layout itself is kvops.top.block_map (pure). For a vLLM whose
+the tenant owning each block, and a legend. The layout itself is kvops.top.block_grid (pure). For a vLLM whose
 KV cache events kvops reads, the map comes from the events instead (widgets/event_map.py): by age, tenant or
 medium (`t` cycles), with the events' numbers below it."""
 
@@ -10,7 +10,7 @@ from textual.app import ComposeResult
 from textual.events import Resize
 
 from kvops.schema.snapshot import decode_block_map
-from kvops.top import block_map as grids
+from kvops.top import block_grid as grids
 from kvops.top.client import EngineView
 from kvops.top.render import fmt_pct
 from kvops.top.widgets import event_map

@@ -1,9 +1,8 @@
 """The pieces every panel of `kvops top` is built from: a text box that repaints cheaply, a bordered
-panel, a table that keeps its cursor across refreshes, and the filter both filterable panels share."""
+panel, a panel around a table (the table itself, which the fleet view uses too, is kvops.row_table), and the
+filter both filterable panels share."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from rich.text import Text
 from textual.containers import Vertical
@@ -12,8 +11,6 @@ from textual.widgets import DataTable
 
 from kvops.top.screens import DetailScreen
 
-# One table row: its key (what the cursor follows across refreshes) and its cells.
-Row = tuple[str, tuple[Any, ...]]
 # What `enter` on a row opens: the detail screen's title and body.
 Detail = tuple[str, Text]
 
@@ -45,35 +42,6 @@ class Panel(Vertical):
     def __init__(self, title: str, *children: Widget, id: str | None = None) -> None:
         super().__init__(*children, id=id)
         self.border_title = title
-
-
-class RowTable(DataTable[Any]):
-    """A row-cursor table refilled on every refresh. `fill` leaves it alone when the rows did not
-    change (a clear and refill would repaint it and lose the scroll position) and otherwise keeps
-    the cursor on the same row key when that row is still there."""
-
-    def __init__(self, *, id: str) -> None:
-        super().__init__(id=id, cursor_type="row", zebra_stripes=True)
-        self.shown: list[Row] = []
-
-    def fill(self, rows: list[Row]) -> None:
-        if rows == self.shown:
-            return
-        self.shown = rows
-        current = self.selected_key()
-        self.clear()
-        for key, cells in rows:
-            self.add_row(*cells, key=key)
-        keys = [key for key, _ in rows]
-        if current in keys:
-            self.move_cursor(row=keys.index(current), animate=False)
-
-    def selected_key(self) -> str | None:
-        """The key of the row under the cursor, or None for an empty table."""
-        if self.row_count == 0:
-            return None
-        row = min(self.cursor_row, self.row_count - 1)
-        return self.coordinate_to_cell_key((row, 0)).row_key.value
 
 
 class TablePanel(Panel):

@@ -8,8 +8,9 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import DataTable
 
+from kvops.row_table import RowTable
 from kvops.schema.diagnosis import Diagnosis
-from kvops.top.widgets.common import Detail, Readout, RowTable, TablePanel, filter_suffix, matches
+from kvops.top.widgets.common import Detail, Readout, TablePanel, filter_suffix, matches
 
 SEVERITY_COLOURS = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 

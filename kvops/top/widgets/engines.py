@@ -9,10 +9,11 @@ from rich.markup import escape
 from rich.text import Text
 from textual.app import ComposeResult
 
+from kvops.row_table import RowTable
 from kvops.schema.snapshot import GpuStats, ProcessStats
 from kvops.top.client import EngineView, TopState
 from kvops.top.render import capacity, fmt_duration, fmt_pct, health
-from kvops.top.widgets.common import Detail, Readout, RowTable, TablePanel
+from kvops.top.widgets.common import Detail, Readout, TablePanel
 
 SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 

@@ -4,7 +4,7 @@ kvops's own engine reports every block's state; a vLLM reports none, but its eve
 resident, since when, for which tenant and on which medium. The map draws those blocks, grouped by age class
 (youngest first), by tenant (a cache salt or LoRA, one letter each) or by medium, then the pool's free blocks
 (pool size minus resident; not drawn while the pool size is unknown). `t` cycles the three views. Cells are laid
-out by kvops.top.block_map; a cell covering several blocks shows the group most of them belong to.
+out by kvops.top.block_grid; a cell covering several blocks shows the group most of them belong to.
 
 `EventStats` is the text under the map: the stream's health, rates, re-stores, lifetimes and shared prefixes
 (kvops.top.render.kv_event_lines, which `--once` prints too).
@@ -26,7 +26,7 @@ from kvops.schema.snapshot import (
     Snapshot,
     decode_block_map,
 )
-from kvops.top import block_map as grids
+from kvops.top import block_grid as grids
 from kvops.top.client import EngineView
 from kvops.top.render import OFFLOAD_MEDIA, free_blocks, kv_event_lines, pool_line
 from kvops.top.widgets.common import Readout

@@ -9,10 +9,11 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import DataTable
 
+from kvops.row_table import RowTable
 from kvops.schema.snapshot import TenantStats
 from kvops.top.client import EngineView
 from kvops.top.render import fmt_pct, tenant_detail
-from kvops.top.widgets.common import Detail, RowTable, TablePanel, filter_suffix, matches
+from kvops.top.widgets.common import Detail, TablePanel, filter_suffix, matches
 
 
 def quota_key(t: TenantStats) -> int:

@@ -1,9 +1,9 @@
 """`kvops top --prometheus URL`: the fleet read from Prometheus, one row per engine, worst first.
 
-`enter` on a row leaves this view with the engine and its supervisor's address (`supervisor_url`); `run_top`
-then shows that supervisor as `kvops top --attach` does, and comes back here when it quits. Reading Prometheus
-happens on a thread worker, never on the event loop; a Prometheus that stops answering leaves the last fleet on
-screen under a banner saying why.
+`enter` on a row leaves this view with the engine and its supervisor's address (`supervisor_url`); `run_fleet`
+(kvops.fleet.run) then has `kvops top` show that supervisor as `--attach` does, and comes back here when it
+quits. Reading Prometheus happens on a thread worker, never on the event loop; a Prometheus that stops answering
+leaves the last fleet on screen under a banner saying why.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from textual.widgets import DataTable, Footer, Static
 from kvops.fleet.prometheus_api import PrometheusError
 from kvops.fleet.render import COLUMNS, cells, summary
 from kvops.fleet.view import Fleet, FleetEngine
-from kvops.top.widgets.common import RowTable
+from kvops.row_table import RowTable
 
 STATUS_STYLE = {"supervisor down": "bold red", "engine down": "bold red", "critical": "red", "warning": "yellow",
                 "info": "cyan", "ok": "green"}

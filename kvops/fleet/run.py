@@ -1,5 +1,9 @@
 """`kvops top --prometheus URL`: `--once` / `--json` print the fleet; the live view alternates between the fleet
-(kvops/top/fleet.py) and the supervisor of the row opened, until the fleet view is quit."""
+(kvops/fleet/app.py) and the supervisor of the row opened, until the fleet view is quit.
+
+The supervisor's view is `kvops top`'s, handed in as `show_supervisor`: the fleet sits below top in the layers
+(doctor reads it too), so it calls back into top rather than importing it. Textual is imported only for the live
+view, so `--once`, `--json` and doctor never load it."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from kvops.fleet.view import read_fleet
 
 EXIT_USAGE = 2
 
-# _run_app of kvops.top: show one supervisor (url, admin token, interval, ..., engine to select)
+# kvops.top's _run_app: show one supervisor (url, admin token, interval, ..., engine to select) until it quits
 ShowSupervisor = Callable[..., int]
 
 
@@ -36,7 +40,7 @@ def run_fleet(prometheus: str, selector: str | None, once: bool, as_json: bool, 
         if not sys.stdout.isatty():
             print("kvops top: the live view needs a terminal; use --once or --json in scripts", file=sys.stderr)
             return EXIT_USAGE
-        from kvops.top.fleet import FleetTop, row_key
+        from kvops.fleet.app import FleetTop, row_key
 
         selected: str | None = None
         while True:

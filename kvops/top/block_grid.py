@@ -1,4 +1,5 @@
-"""The block map: a decoded block-state string (one code per block, kvops.schema.snapshot) laid out in cells.
+"""The block map's grid: a decoded block-state string (one code per block, kvops.schema.snapshot) laid out in
+cells, a `BlockGrid`; the panel that shows it is kvops.top.widgets.block_map.
 The tenant view does the same with the owner map (one tenant letter per block).
 
 Pure functions, no Textual. When there are more blocks than cells, each cell covers N blocks and
