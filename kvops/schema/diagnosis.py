@@ -31,7 +31,7 @@ class Objective(BaseModel):
     """What a fix must move, measured on the engine's snapshots (a measure of kvops.supervisor.fixes.measures) over
     equal windows before and after the fix: which way, and the smallest effect that counts."""
 
-    measure: str  # a key of kvops.supervisor.measures.MEASURES, e.g. "hit_rate", "preemptions_per_s"
+    measure: str  # a key of kvops.supervisor.fixes.measures.MEASURES, e.g. "hit_rate", "preemptions_per_s"
     better: Literal["lower", "higher"]
     min_effect: float = Field(0.1, ge=0)  # relative to the value before (0.1 = 10%); absolute when that is 0
     subject: str = ""  # whose measure, for per-tenant ones (e.g. the tenant polluting the others' cache)
