@@ -33,7 +33,8 @@ from kvops.bench.workloads import CHAT_QUESTIONS
 from kvops.history import EngineHistory
 from kvops.logs import configure_logging
 from kvops.processes import free_port
-from kvops.supervisor.config import EngineSpec, parse_config
+from kvops.supervisor.config import parse_config
+from kvops.supervisor.engine_spec import EngineSpec
 from kvops.supervisor.managed_engine import ManagedEngine
 from kvops.supervisor.supervisor import Supervisor
 

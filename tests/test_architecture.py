@@ -126,13 +126,13 @@ def test_a_type_hint_import_up_the_stack_counts(tmp_path: Path) -> None:
         pytest.skip("lint-imports (import-linter, in the test extra) is not installed")
     tree = copy_of_the_package(tmp_path / "tree")
     plant(tree, "kvops.kinds.hinted", "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
-                                      "    from kvops.supervisor.config import EngineSpec\n")
+                                      "    from kvops.supervisor.engine_spec import EngineSpec\n")
     result = run_lint_imports(tree)
     found = verdicts(result.stdout)
     broken = {name for name, verdict in found.items() if verdict == "BROKEN"}
     assert broken == {_contract("layers"), _contract("acyclic_siblings"), _contract("forbidden", "profiles")}, \
         result.stdout
-    assert "kvops.kinds.hinted -> kvops.supervisor.config" in result.stdout
+    assert "kvops.kinds.hinted -> kvops.supervisor.engine_spec" in result.stdout
 
 def test_every_package_is_the_folder_of_its_import_name() -> None:
     """No package-dir mapping and no package list, and no package folder at the top of the checkout, where it

@@ -2,70 +2,28 @@
 few seconds (`--events-window`) while the other sections read the engine, then says whether events arrive and
 what the resident-block index built from them saw.
 
-`listen` starts the subscription before the sections run, so the window overlaps their work; the section
-(`KvEvents`, the last to run) waits out what is left of it. The lines: the stream (✓ batches arriving; ! none in
-the window, with how to tell a quiet engine from a wrong endpoint; ✗ cannot subscribe), its integrity (gaps,
-drops, malformed messages, publisher restarts), the resident blocks, and the largest shared prefixes. The
-diagnoses stay the other sections' own, read from the snapshots as always.
+`listen` (kvops/doctor/listening.py) starts the subscription before the sections run, so the window overlaps their
+work; the section (`KvEvents`, the last to run) waits out what is left of it. The lines: the stream (✓ batches
+arriving; ! none in the window, with how to tell a quiet engine from a wrong endpoint; ✗ cannot subscribe), its
+integrity (gaps, drops, malformed messages, publisher restarts), the resident blocks, and the largest shared
+prefixes. The diagnoses stay the other sections' own, read from the snapshots as always.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvops.doctor.report import Check, Status
 from kvops.doctor.validator import Examined
-from kvops.events.endpoint import parse_source, socket_role
+from kvops.events.endpoint import socket_role
 from kvops.schema.kv_events import EVENT_TYPES, KvEventStats
 from kvops.schema.snapshot import Snapshot
-
-if TYPE_CHECKING:
-    from kvops.events.subscriber import EventFeed
 
 SECTION = "KV cache events"
 DEFAULT_WINDOW_S = 5.0
 SHARED_PREFIXES_SHOWN = 3
 FORMS = "tcp://*:PORT (vLLM binds it), tcp://HOST:PORT (vLLM connects to it) or ipc:///PATH"
-
-
-@dataclass
-class Listening:
-    """A subscription doctor holds while it examines the engine."""
-
-    endpoint: str
-    window_s: float
-    started_at: float
-    feed: EventFeed | None = None
-    error: str = ""  # why there is no subscription
-    clock: Callable[[], float] = field(default=time.time)
-
-    def close(self) -> None:
-        if self.feed is not None:
-            self.feed.close()
-
-
-def listen(endpoint: str, replay: str | None, topic: str, window_s: float, engine_host: str,
-           clock: Callable[[], float] = time.time) -> Listening:
-    """Subscribe now; a bad endpoint is a Listening with its error (the section says it), never an exception."""
-    listening = Listening(endpoint, window_s, clock(), clock=clock)
-    try:
-        source = parse_source(endpoint, replay, topic)
-    except ValueError as exc:
-        listening.error = str(exc)
-        return listening
-    from kvops.events.subscriber import EventFeed  # ZMQ: only for a doctor that listens
-
-    try:
-        listening.feed = EventFeed(source, connect_host=engine_host, clock=clock)
-        listening.feed.start()
-    except Exception as exc:  # no subscription is a line of the report, never a lost report
-        listening.feed = None
-        listening.error = f"{type(exc).__name__}: {exc}"
-    return listening
 
 
 class KvEvents:

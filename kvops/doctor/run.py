@@ -20,7 +20,7 @@ from kvops.doctor.validator import Examined, run_sections
 from kvops.kinds import detect, kinds, profile, snapshot_from_scrape
 
 if TYPE_CHECKING:
-    from kvops.doctor.events import Listening
+    from kvops.doctor.listening import Listening
 
 LOCAL_CONFIG = "kvops.toml"
 
@@ -139,7 +139,7 @@ def _listen(args: argparse.Namespace, examined: Examined) -> Listening | None:
     endpoint = getattr(args, "events", None)
     if endpoint is None or examined.url is None:
         return None
-    from kvops.doctor.events import listen
+    from kvops.doctor.listening import listen
 
     return listen(endpoint, args.events_replay, args.events_topic, args.events_window,
                   urlparse(examined.url).hostname or "127.0.0.1")

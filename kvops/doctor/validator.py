@@ -20,7 +20,7 @@ from kvops.doctor.report import Check, Report, Status
 
 if TYPE_CHECKING:
     from kvops.adapters.prometheus import Scrape
-    from kvops.doctor.events import Listening
+    from kvops.doctor.listening import Listening
     from kvops.schema.diagnosis import Diagnosis
     from kvops.schema.reports import BlockSizeProfile, KVQuantProfile
     from kvops.schema.snapshot import Snapshot

@@ -31,7 +31,7 @@ from kvops.events.endpoint import EventSource
 from kvops.history import EngineHistory
 from kvops.processes import die_with_parent, free_port
 from kvops.schema.engines import EngineExit, LogLine
-from kvops.supervisor.config import EngineSpec
+from kvops.supervisor.engine_spec import EngineSpec
 from kvops.supervisor.launchers import client_for, launcher_for
 
 log = structlog.get_logger("kvops.supervisor.engine")

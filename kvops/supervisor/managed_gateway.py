@@ -24,7 +24,7 @@ from pathlib import Path
 import structlog
 
 from kvops.processes import die_with_parent, free_port, stop_process
-from kvops.supervisor.config import GatewaySpec
+from kvops.supervisor.engine_spec import GatewaySpec
 
 log = structlog.get_logger("kvops.supervisor")
 

@@ -37,7 +37,8 @@ from kvops.rules import evaluate_all
 from kvops.schema.diagnosis import Diagnosis, Severity
 from kvops.schema.engines import GatewayLink
 from kvops.schema.snapshot import Snapshot
-from kvops.supervisor.config import EngineSpec, KvopsConfig
+from kvops.supervisor.config import KvopsConfig
+from kvops.supervisor.engine_spec import EngineSpec
 from kvops.supervisor.event_feeds import EventFeeds
 from kvops.supervisor.fixes.audit import AuditLog
 from kvops.supervisor.fixes.gateway import GatewayAdmin
