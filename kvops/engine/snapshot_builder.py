@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvops import __version__
 from kvops.engine.block import BlockState
@@ -32,12 +32,53 @@ from kvops.schema.snapshot import (
     percentile_fields,
 )
 
-if TYPE_CHECKING:  # the engine imports this module: a runtime import would be circular
+if TYPE_CHECKING:
+    import torch
+
     from kvops.engine.block_manager import BlockManager
-    from kvops.engine.engine import LLMEngine
+    from kvops.engine.capacity import Capacity
+    from kvops.engine.compiled import CompiledStep
+    from kvops.engine.config import EngineConfig, NormalizationMode
+    from kvops.engine.kv_pool import KVPool
+    from kvops.engine.scheduler import Scheduler
+    from kvops.engine.sequence import Sequence
+    from kvops.engine.shadow_cache import ShadowPrefixCache
+    from kvops.engine.threads import ThreadGovernor
 
 
-def build_snapshot(engine: LLMEngine, include_gpu: bool = True) -> Snapshot:
+class SnapshotSource(Protocol):
+    """What a snapshot is built from: the parts of the engine (`LLMEngine`) this module reads, and nothing else.
+    Named here rather than importing the engine, which imports this module to build its snapshots."""
+
+    config: EngineConfig
+    started_at: float
+    device: torch.device
+    model_name: str
+    max_model_len: int
+    kv_pool: KVPool
+    capacity: Capacity
+    compiled: CompiledStep
+    block_manager: BlockManager
+    scheduler: Scheduler
+    stats: EngineStats
+    shadow: ShadowPrefixCache
+    potential: ShadowPrefixCache
+    normalization: NormalizationMode
+    sequences: dict[str, Sequence]
+    threads: ThreadGovernor
+
+    @property
+    def dtype_name(self) -> str: ...
+
+    @property
+    def kv_cache_dtype_name(self) -> str: ...
+
+    def kv_slots(self) -> tuple[int, int]: ...
+
+    def salt_for(self, tenant: str) -> str: ...
+
+
+def build_snapshot(engine: SnapshotSource, include_gpu: bool = True) -> Snapshot:
     now = time.time()
     return Snapshot(
         time=now,
@@ -58,7 +99,7 @@ def build_snapshot(engine: LLMEngine, include_gpu: bool = True) -> Snapshot:
     )
 
 
-def engine_info(engine: LLMEngine) -> EngineInfo:
+def engine_info(engine: SnapshotSource) -> EngineInfo:
     config, bm = engine.config, engine.block_manager
     return EngineInfo(
         model=engine.model_name, engine_version=__version__, pid=os.getpid(), started_at=engine.started_at,
@@ -72,7 +113,7 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
     )
 
 
-def block_stats(engine: LLMEngine) -> BlockStats:
+def block_stats(engine: SnapshotSource) -> BlockStats:
     bm = engine.block_manager
     counts = {state.value: bm.state_counts[state] for state in BlockState}
     counts[BlockState.SWAPPED.value] = bm.num_swapped_blocks  # host blocks: device blocks are never swapped
@@ -97,7 +138,7 @@ def blocks_held(bm: BlockManager) -> Counter[str]:
     return Counter({tenant: len(ids) for tenant, ids in held.items()})
 
 
-def prefix_cache_stats(engine: LLMEngine) -> PrefixCacheStats:
+def prefix_cache_stats(engine: SnapshotSource) -> PrefixCacheStats:
     stats, shadow, potential = engine.stats, engine.shadow, engine.potential
     window_queries, window_hits = stats.prefix_window_counts()
     return PrefixCacheStats(
@@ -119,7 +160,7 @@ def prefix_cache_stats(engine: LLMEngine) -> PrefixCacheStats:
     )
 
 
-def request_stats(engine: LLMEngine) -> RequestStats:
+def request_stats(engine: SnapshotSource) -> RequestStats:
     stats, scheduler = engine.stats, engine.scheduler
     return RequestStats(
         running=len(scheduler.running), waiting=len(scheduler.waiting),
@@ -133,7 +174,7 @@ def request_stats(engine: LLMEngine) -> RequestStats:
     )
 
 
-def live_requested_len_p50(engine: LLMEngine) -> int | None:
+def live_requested_len_p50(engine: SnapshotSource) -> int | None:
     """The upper median over live requests of prompt + max_tokens, capped at max_model_len."""
     lengths = sorted(min(seq.prompt_len + seq.params.max_tokens, engine.max_model_len)
                      for seq in engine.sequences.values() if not seq.finished)
@@ -167,7 +208,7 @@ def latency_histogram(counts: list[int], total_s: float) -> Histogram:
                      **percentile_fields(lambda q: bucket_quantile(bounds, counts, q / 100)))
 
 
-def swap_stats(engine: LLMEngine) -> SwapStats:
+def swap_stats(engine: SnapshotSource) -> SwapStats:
     bm, scheduler = engine.block_manager, engine.scheduler
     return SwapStats(
         preemption_mode=str(engine.config.preemption_mode), host_blocks=bm.num_host_blocks,
@@ -189,7 +230,7 @@ def swap_window(stats: EngineStats) -> SwapWindow:
                       swap_rate=out / allocations if allocations else 0.0)
 
 
-def tenant_stats(engine: LLMEngine) -> dict[str, TenantStats]:
+def tenant_stats(engine: SnapshotSource) -> dict[str, TenantStats]:
     """One row per tenant anything is known about: requests, blocks, a quota or evictions."""
     bm, counted = engine.block_manager, engine.stats.tenants
     held = blocks_held(bm)
