@@ -119,6 +119,23 @@ def test_a_cycle_between_packages_breaks_the_acyclic_contract(tmp_path: Path) ->
     assert ".events -> .supervisor" in result.stdout
 
 
+def test_a_cycle_inside_a_package_breaks_the_acyclic_contract(tmp_path: Path) -> None:
+    """Two modules of the engine naming each other's types, as the snapshot builder and the engine once did: the
+    contract looks one level into each package (depth 1), so this is a cycle too, and no other contract minds it."""
+    if lint_imports_executable() is None:
+        pytest.skip("lint-imports (import-linter, in the test extra) is not installed")
+    tree = copy_of_the_package(tmp_path / "tree")
+    hinted = "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    import kvops.engine.{}\n"
+    plant(tree, "kvops.engine.hinted_a", hinted.format("hinted_b"))
+    plant(tree, "kvops.engine.hinted_b", hinted.format("hinted_a"))
+    result = run_lint_imports(tree)
+    found = verdicts(result.stdout)
+    assert result.returncode != 0
+    assert found.pop(_contract("acyclic_siblings")) == "BROKEN", result.stdout
+    assert set(found.values()) == {"KEPT"}, result.stdout
+    assert "hinted_" in result.stdout
+
+
 def test_a_type_hint_import_up_the_stack_counts(tmp_path: Path) -> None:
     """A profile naming the supervisor's config under TYPE_CHECKING (how a launcher's types once made the kinds
     and the supervisor a cycle) breaks the layers, the acyclic and the profiles' purity contracts."""
