@@ -22,6 +22,9 @@ from tests.helpers.alerting_outbox import Receiver
 
 configure_logging("info", json_logs=False)
 
+# `pytest -n 2`: the clock tests on one worker with the machine to themselves, the rest beside them in the background.
+pytest_plugins = ["tests.helpers.clock_worker"]
+
 QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about autumn leaves.",

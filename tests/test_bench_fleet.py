@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from kvops.adapters.prometheus import Scrape
 from kvops.bench.fleet import EXPECTED_ALERT, run_one
 from kvops.bench.fleet_engines import TROUBLES, Capture, choose_troubles
 from kvops.kinds import snapshot_from_scrape
+
+pytestmark = pytest.mark.clock  # it measures how many polls are on time (tests/helpers/clock_worker.py)
 
 
 def _snapshot(capture: Capture, elapsed: float, trouble: str | None = None, trouble_s: float = 0.0):

@@ -18,6 +18,8 @@ from kvops import cli
 from kvops.bench import gateway as bench
 from tests.helpers.gateway_metrics import sample
 
+pytestmark = pytest.mark.clock  # it measures the gateway's latency (tests/helpers/clock_worker.py)
+
 WORKLOAD = bench.Workload(prompt_tokens=8, max_tokens=4)
 LEVELS = [bench.Level(1, 4), bench.Level(3, 6)]
 ROUNDS = 2

@@ -34,10 +34,10 @@ from kvops.processes import free_port
 from tests.helpers.waiting import wait_for
 from tests.test_prometheus_e2e import ALERTMANAGER, CapturedVllm, Webhook, _start, _stop
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.skipif(
     ALERTMANAGER is None,
     reason="needs Debian's `prometheus-alertmanager` (apt-get install prometheus-alertmanager); .ci/run installs it",
-)
+), pytest.mark.clock]  # fix leases expire and are taken over on the wall clock (tests/helpers/clock_worker.py)
 
 TTL_S = 5.0  # the fix lease's: long enough to tell a takeover at expiry from one at once (evaluations: 0.2 s)
 RULE = "kv_oom_runtime"

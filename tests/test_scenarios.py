@@ -22,6 +22,8 @@ import pytest
 from kvops.scenarios import scenarios
 from kvops.scenarios.runner import ScenarioResult
 
+pytestmark = pytest.mark.clock  # each scenario judges its fix over real seconds of load (tests/helpers/clock_worker.py)
+
 # Each scenario runs in its own process (`kvops scenario run NAME --json`), as a user runs it: run one after
 # another inside the test process, the scenario after crash_loop or capacity_refused failed its judge's after-window
 # (in CI and here) while passing alone; what the earlier ones left in the process was not found (docs/scenarios.md).

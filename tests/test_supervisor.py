@@ -23,6 +23,8 @@ import pytest
 
 from tests.helpers.waiting import wait_for
 
+pytestmark = pytest.mark.clock  # restarts, back-offs and alert deliveries on the wall clock (helpers/clock_worker.py)
+
 
 def _free_port() -> int:
     with socket.socket() as sock:

@@ -27,6 +27,8 @@ from kvops.top.screens import ConfirmScreen
 from kvops.top.widgets.audit import AuditPanel
 from kvops.top.widgets.common import Readout
 
+pytestmark = pytest.mark.clock  # a live engine and load behind the screen (tests/helpers/clock_worker.py)
+
 
 def test_supervisor_answers_only_when_one_is_there() -> None:
     assert not supervisor_answers(f"http://127.0.0.1:{free_port('127.0.0.1')}")

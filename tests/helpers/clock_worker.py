@@ -1,0 +1,89 @@
+"""Two pytest workers (`pytest -n 2`, pytest-xdist) where the tests that judge something on the wall clock keep the
+machine to themselves.
+
+A test marked `clock` measures or judges over real time: a scenario's judged windows, a fix verified on live
+traffic, a real vLLM at its measured speed. Those run one after another, in collection order, on the clock worker
+(gw0), at normal priority, as they would alone. Every other test runs on the background worker: pinned to the last
+CPU, at the lowest priority (nice 19) and with one torch thread, so that it takes what the clock tests leave idle (a
+scenario waiting out its window, a vLLM computing on one core) and gives a core back the moment they ask for it. The
+clock worker takes background tests too once its clock tests are done.
+
+Alone, the tests that judge nothing are CPU-bound and the clock tests leave most of a core idle; two workers at equal
+priority would each run at half speed and move the clock tests' verdicts. Measured (docs/benchmarks.md, "The test
+suite's time"): the suite takes 23 min instead of 28, but the clock tests still run slower beside the background
+(likely because an engine's auto thread count takes the niced work for a busy core), so CI runs one process.
+Without xdist (`pytest` with no `-n`) every test runs in the one process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+CLOCK = "clock"  # the xdist group, and the marker, of the tests that judge on the wall clock
+# The real-vLLM tests too: they share the session's one vLLM (tests/conftest.py), which lives in one worker, and a
+# vLLM start takes both CPUs for most of a minute.
+CLOCK_MARKERS = (CLOCK, "vllm")
+CLOCK_WORKER = "gw0"
+BACKGROUND_NICE = 19
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{CLOCK}: judges or measures on the wall clock; under `pytest -n 2` it runs "
+                                       "on the clock worker, with the background tests at the lowest priority")
+    become_background_worker()
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker writes the groups into the node ids
+def pytest_collection_modifyitems(items: Sequence[pytest.Item]) -> None:
+    """The `clock` marker as an xdist group, so that the controller sees it in the node ids."""
+    for item in items:
+        if any(item.get_closest_marker(name) is not None for name in CLOCK_MARKERS):
+            item.add_marker(pytest.mark.xdist_group(CLOCK))
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: without xdist there is no controller
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """The controller's scheduler: xdist's load-group scheduling, with the clock group sent to the clock worker."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class ClockWorkerScheduling(LoadGroupScheduling):  # type: ignore[misc]
+        def _assign_work_unit(self, node: Any) -> None:
+            if CLOCK in self.workqueue:
+                clock_node = next((n for n in self.nodes if n.gateway.id == CLOCK_WORKER), self.nodes[0])
+                if node is clock_node:
+                    self.workqueue.move_to_end(CLOCK, last=False)
+                elif len(self.workqueue) > 1:
+                    self.workqueue.move_to_end(CLOCK, last=True)
+                else:
+                    return  # only the clock group is left, and it is not this worker's
+            super()._assign_work_unit(node)
+
+    return ClockWorkerScheduling(config, log)
+
+
+def become_background_worker() -> str | None:
+    """In a background worker: the last CPU, nice 19, one torch thread, for this process and what it starts.
+    Returns what was set, for the session header; None in the clock worker or outside xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None or worker == CLOCK_WORKER:
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned = cpus[-1:] if len(cpus) > 1 else cpus
+    # Every thread of this process, not only the calling one: on Linux affinity and priority are per thread.
+    for tid in (int(t) for t in os.listdir("/proc/self/task")):
+        try:
+            os.sched_setaffinity(tid, pinned)
+            os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICE)
+        except (PermissionError, ProcessLookupError):
+            continue
+    os.environ["OMP_NUM_THREADS"] = "1"  # torch started from here on, in this process or a child: one thread
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+    return f"{worker}: background worker on CPU {pinned[0]}, nice {BACKGROUND_NICE}, 1 torch thread"

@@ -1,0 +1,67 @@
+"""`pytest -n 2` as the README runs it: the clock tests in order on gw0 at normal priority, the rest on the background
+worker, pinned to one CPU at nice 19 (tests/helpers/clock_worker.py). A real inner session with two real workers."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+ROOT = Path(__file__).resolve().parents[1]
+
+INNER = '''
+import json, os, pytest
+
+def record(name):
+    with open(os.environ["CLOCK_RECORD"], "a") as out:
+        out.write(json.dumps({"test": name, "worker": os.environ.get("PYTEST_XDIST_WORKER"),
+                              "nice": os.getpriority(os.PRIO_PROCESS, 0),
+                              "cpus": sorted(os.sched_getaffinity(0))}) + "\\n")
+
+@pytest.mark.parametrize("n", range(6))
+def test_background(n):
+    record(f"background-{n}")
+
+@pytest.mark.clock
+@pytest.mark.parametrize("n", range(4))
+def test_clock(n):
+    record(f"clock-{n}")
+
+@pytest.mark.parametrize("n", range(6))
+def test_background_after(n):
+    record(f"after-{n}")
+'''
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the background worker's pinning needs two CPUs")
+def test_clock_tests_run_in_order_on_the_clock_worker_and_the_rest_in_the_background(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    record = pytester.path / "record.jsonl"
+    monkeypatch.setenv("CLOCK_RECORD", str(record))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    pytester.makepyfile(test_inner=INNER)
+    done = pytester.runpytest_subprocess("-p", "tests.helpers.clock_worker", "-n", "2", "--dist", "loadgroup")
+    done.assert_outcomes(passed=16)
+    runs = [json.loads(line) for line in record.read_text().splitlines()]
+    clock = [r for r in runs if r["test"].startswith("clock")]
+    assert [r["test"] for r in clock] == [f"clock-{n}" for n in range(4)]
+    assert all(r["worker"] == "gw0" and r["nice"] == 0 for r in clock), clock
+    background = [r for r in runs if r["worker"] != "gw0"]
+    last_cpu = max(os.sched_getaffinity(0))
+    assert background and all(r["nice"] == 19 and r["cpus"] == [last_cpu] for r in background), runs
+
+
+def test_without_xdist_every_test_runs_in_the_one_process(pytester: pytest.Pytester,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    record = pytester.path / "record.jsonl"
+    monkeypatch.setenv("CLOCK_RECORD", str(record))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    pytester.makepyfile(test_inner=INNER)
+    done = pytester.runpytest_subprocess("-p", "tests.helpers.clock_worker", "-p", "no:xdist")
+    done.assert_outcomes(passed=16)
+    runs = [json.loads(line) for line in record.read_text().splitlines()]
+    assert {r["worker"] for r in runs} == {None} and {r["nice"] for r in runs} == {os.getpriority(os.PRIO_PROCESS, 0)}
