@@ -36,6 +36,7 @@ def test_background_after(n):
 '''
 
 
+@pytest.mark.clock  # two CPUs: the background worker it runs is pinned to one of them
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the background worker's pinning needs two CPUs")
 def test_clock_tests_run_in_order_on_the_clock_worker_and_the_rest_in_the_background(
         pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -155,6 +155,7 @@ def test_a_bad_thread_count_says_what_to_write(value: str):
         EngineConfig(threads=value)
 
 
+@pytest.mark.clock  # both CPUs, and no other test busy on one (tests/helpers/clock_worker.py)
 @pytest.mark.skipif(read_cpu() is None or usable_cpus() < 2, reason="needs /proc/stat and 2 CPUs")
 def test_auto_gives_a_core_back_to_a_busy_process_and_takes_it_again():
     """A real busy process beside the test: the governor reads /proc/stat and drops to one thread."""
@@ -181,6 +182,7 @@ def test_auto_gives_a_core_back_to_a_busy_process_and_takes_it_again():
     assert applied[0] == cpus and 1 in applied
 
 
+@pytest.mark.clock  # both CPUs, and no other test busy on one (tests/helpers/clock_worker.py)
 @pytest.mark.skipif(read_cpu() is None or usable_cpus() < 2, reason="needs /proc/stat and 2 CPUs")
 def test_a_process_that_got_busy_while_the_engine_waited_sets_the_first_steps_count():
     """A real busy process started during idle time: the first tick after it gives the cores back at once."""
