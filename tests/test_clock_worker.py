@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.clock_worker import BACKGROUND_NICE
+
 pytest_plugins = ["pytester"]
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,32 +38,34 @@ def test_background_after(n):
 '''
 
 
+@pytest.fixture
+def record(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The inner session's test file, and the file its tests write where and how they ran to."""
+    path = pytester.path / "record.jsonl"
+    monkeypatch.setenv("CLOCK_RECORD", str(path))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    pytester.makepyfile(test_inner=INNER)
+    return path
+
+
 @pytest.mark.clock  # two CPUs: the background worker it runs is pinned to one of them
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the background worker's pinning needs two CPUs")
 def test_clock_tests_run_in_order_on_the_clock_worker_and_the_rest_in_the_background(
-        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    record = pytester.path / "record.jsonl"
-    monkeypatch.setenv("CLOCK_RECORD", str(record))
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    pytester.makepyfile(test_inner=INNER)
+        pytester: pytest.Pytester, record: Path) -> None:
     done = pytester.runpytest_subprocess("-p", "tests.helpers.clock_worker", "-n", "2", "--dist", "loadgroup")
     done.assert_outcomes(passed=16)
     runs = [json.loads(line) for line in record.read_text().splitlines()]
     clock = [r for r in runs if r["test"].startswith("clock")]
     assert [r["test"] for r in clock] == [f"clock-{n}" for n in range(4)]
-    assert all(r["worker"] == "gw0" and r["nice"] == 0 for r in clock), clock
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    assert all(r["worker"] == "gw0" and r["nice"] == ours for r in clock), clock
     background = [r for r in runs if r["worker"] != "gw0"]
     last_cpu = max(os.sched_getaffinity(0))
-    assert background and all(r["nice"] == 19 and r["cpus"] == [last_cpu] for r in background), runs
+    assert background and all(r["nice"] == BACKGROUND_NICE and r["cpus"] == [last_cpu] for r in background), runs
 
 
-def test_without_xdist_every_test_runs_in_the_one_process(pytester: pytest.Pytester,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    record = pytester.path / "record.jsonl"
-    monkeypatch.setenv("CLOCK_RECORD", str(record))
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
-    pytester.makepyfile(test_inner=INNER)
+def test_without_xdist_every_test_runs_in_the_one_process(pytester: pytest.Pytester, record: Path) -> None:
     done = pytester.runpytest_subprocess("-p", "tests.helpers.clock_worker", "-p", "no:xdist")
     done.assert_outcomes(passed=16)
     runs = [json.loads(line) for line in record.read_text().splitlines()]

@@ -68,14 +68,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return ClockWorkerScheduling(config, log)
 
 
-def become_background_worker() -> str | None:
+def become_background_worker() -> None:
     """In a background worker: the last CPU, nice 19, one torch thread, for this process and what it starts.
-    Returns what was set, for the session header; None in the clock worker or outside xdist."""
+    Nothing in the clock worker or outside xdist."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker is None or worker == CLOCK_WORKER:
-        return None
-    cpus = sorted(os.sched_getaffinity(0))
-    pinned = cpus[-1:] if len(cpus) > 1 else cpus
+        return
+    pinned = sorted(os.sched_getaffinity(0))[-1:]
     # Every thread of this process, not only the calling one: on Linux affinity and priority are per thread.
     for tid in (int(t) for t in os.listdir("/proc/self/task")):
         try:
@@ -86,4 +85,3 @@ def become_background_worker() -> str | None:
     os.environ["OMP_NUM_THREADS"] = "1"  # torch started from here on, in this process or a child: one thread
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
-    return f"{worker}: background worker on CPU {pinned[0]}, nice {BACKGROUND_NICE}, 1 torch thread"
