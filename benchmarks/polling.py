@@ -32,7 +32,7 @@ import httpx
 from kvops.bench.workloads import CHAT_QUESTIONS
 from kvops.history import EngineHistory
 from kvops.logs import configure_logging
-from kvops.processes import free_port
+from kvops.processes import free_port, start_in_own_session
 from kvops.supervisor.config import parse_config
 from kvops.supervisor.engine_spec import EngineSpec
 from kvops.supervisor.managed_engine import ManagedEngine
@@ -110,10 +110,9 @@ def daemon_round(url: str, args: argparse.Namespace) -> tuple[float, float, floa
     state_dir = tempfile.mkdtemp(prefix="kvops-polling-daemon-")
     port = free_port()
     started = time.perf_counter()
-    daemon = subprocess.Popen([sys.executable, "-m", "kvops", "run", "--no-managed", "--engine-url", url,
-                               "--poll-interval", str(1 / args.rate), "--listen", f"127.0.0.1:{port}",
-                               "--state-dir", state_dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+    daemon = start_in_own_session([sys.executable, "-m", "kvops", "run", "--no-managed", "--engine-url", url,
+                                   "--poll-interval", str(1 / args.rate), "--listen", f"127.0.0.1:{port}",
+                                   "--state-dir", state_dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics_url = f"http://127.0.0.1:{port}/metrics"
     try:
         while (before := supervisor_polls(metrics_url)) is None or before < 3:

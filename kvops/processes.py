@@ -1,11 +1,12 @@
-"""Child processes kvops starts (engines, an embedded supervisor): they die with their parent, and they
-listen on a port chosen free at start. Shared by the supervisor and `kvops top`, so neither imports the
-other."""
+"""Child processes kvops starts (engines, an embedded supervisor): they run in a session of their own at
+their parent's priority, die with their parent, and listen on a port chosen free at start. Shared by the
+supervisor and `kvops top`, so neither imports the other."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import signal
 import socket
 import subprocess
@@ -13,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import psutil
 
@@ -24,6 +25,33 @@ def die_with_parent() -> None:
     """Runs in the child before exec: the kernel sends SIGTERM when the parent dies."""
     with contextlib.suppress(OSError):  # not Linux: the parent's own shutdown path still stops the child
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def start_in_own_session(argv: list[str], **popen: Any) -> subprocess.Popen[bytes]:
+    """Popen(argv, **popen) in a session of its own (a Ctrl-C at kvops's terminal reaches kvops, which stops
+    the child in order; the child's whole group can be signalled), at this process's priority.
+
+    Linux's autogroup schedules each session as one group at nice 0, whatever the nice level of the
+    processes in it: a child in a new session would compete as the equal of everything else, so
+    `nice -n 19 kvops run` would not be niced where it matters, its engines. The child's group gets
+    the parent's nice level instead (seen: a nice-19 CPU burner in a session of its own slowed a
+    2-thread matmul beside it 10x, and not at all once its group was at nice 19)."""
+    child: subprocess.Popen[bytes] = subprocess.Popen(argv, start_new_session=True, **popen)
+    keep_priority(child.pid)
+    return child
+
+
+def keep_priority(pid: int) -> None:
+    """Give the autogroup of `pid` (a session leader) this thread's nice level; nothing where the kernel has
+    no autogroup or refuses (a negative level needs privilege)."""
+    try:
+        nice = os.getpriority(os.PRIO_PROCESS, 0)  # Linux keeps it per thread
+    except (AttributeError, OSError):  # not Unix
+        return
+    if nice == 0:
+        return
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -61,8 +89,8 @@ class NotReady(RuntimeError):
 def start_engine_server(port: int, args: list[str], log: IO[bytes] | int = subprocess.DEVNULL,
                         ) -> subprocess.Popen[bytes]:
     """`kvops engine serve` on `port` in its own process group (benchmarks start one beside vLLM)."""
-    return subprocess.Popen([sys.executable, "-m", "kvops", "engine", "serve", "--port", str(port), *args],
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    return start_in_own_session([sys.executable, "-m", "kvops", "engine", "serve", "--port", str(port), *args],
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
 def stop_process(process: subprocess.Popen[bytes], timeout_s: float) -> None:

@@ -18,9 +18,11 @@ INNER = '''
 import json, os, pytest
 
 def record(name):
+    group = open("/proc/self/autogroup").read().split()[-1] if os.path.exists("/proc/self/autogroup") else None
     with open(os.environ["CLOCK_RECORD"], "a") as out:
         out.write(json.dumps({"test": name, "worker": os.environ.get("PYTEST_XDIST_WORKER"),
-                              "nice": os.getpriority(os.PRIO_PROCESS, 0),
+                              "nice": os.getpriority(os.PRIO_PROCESS, 0), "group_nice": group,
+                              "session_leader": os.getsid(0) == os.getpid(),
                               "cpus": sorted(os.sched_getaffinity(0))}) + "\\n")
 
 @pytest.mark.parametrize("n", range(6))
@@ -59,10 +61,12 @@ def test_clock_tests_run_in_order_on_the_clock_worker_and_the_rest_in_the_backgr
     clock = [r for r in runs if r["test"].startswith("clock")]
     assert [r["test"] for r in clock] == [f"clock-{n}" for n in range(4)]
     ours = os.getpriority(os.PRIO_PROCESS, 0)
-    assert all(r["worker"] == "gw0" and r["nice"] == ours for r in clock), clock
+    assert all(r["worker"] == "gw0" and r["nice"] == ours and not r["session_leader"] for r in clock), clock
     background = [r for r in runs if r["worker"] != "gw0"]
     last_cpu = max(os.sched_getaffinity(0))
     assert background and all(r["nice"] == BACKGROUND_NICE and r["cpus"] == [last_cpu] for r in background), runs
+    # Its own session, so that its autogroup's nice level (where the kernel has autogroups) is its own to lower.
+    assert all(r["session_leader"] and r["group_nice"] in (str(BACKGROUND_NICE), None) for r in background), runs
 
 
 def test_without_xdist_every_test_runs_in_the_one_process(pytester: pytest.Pytester, record: Path) -> None:

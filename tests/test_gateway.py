@@ -21,7 +21,7 @@ from kvops.gateway.errors import GatewayError
 from kvops.gateway.limits import TenantLimits, estimate_tokens
 from kvops.gateway.policy import PolicyStore, TenantPolicy, TenantPolicyUpdate, load_policy_file
 from kvops.gateway.streaming import event_usage, split_events
-from kvops.processes import free_port
+from kvops.processes import free_port, start_in_own_session
 from kvops.schema.errors import ConfigError
 from tests.helpers.gateway_metrics import sample, tenant_stats
 from tests.helpers.gateway_servers import ADMIN, ADMIN_TOKEN, KEYS, Recorder, auth, gateway_in_front_of, serving
@@ -365,9 +365,9 @@ def test_the_gateway_does_not_import_torch() -> None:
 def test_kvops_gateway_command_serves_says_default_tenant_and_drains(tmp_path: Path) -> None:
     """The command as a user runs it: flags, start-up lines, 502 for a dead upstream, a clean SIGTERM."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvops", "gateway", "--upstream", f"http://127.0.0.1:{free_port()}",
-                             "--listen", f"127.0.0.1:{port}", "--connect-timeout", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = start_in_own_session([sys.executable, "-m", "kvops", "gateway", "--upstream",
+                                 f"http://127.0.0.1:{free_port()}", "--listen", f"127.0.0.1:{port}",
+                                 "--connect-timeout", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for("the gateway up", lambda: httpx.get(f"{url}/health").status_code == 503, 30, [proc])

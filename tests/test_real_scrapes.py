@@ -37,7 +37,7 @@ from kvops.doctor.render import render_text
 from kvops.doctor.report import Report
 from kvops.doctor.run import add_doctor_args, diagnose
 from kvops.kinds import PROFILES, detect, snapshot_from_scrape
-from kvops.processes import free_port
+from kvops.processes import free_port, start_in_own_session
 from tests.helpers.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -271,8 +271,8 @@ def watching(replays: dict[str, Replay], tmp_path_factory: pytest.TempPathFactor
                                       '[rules.queueing.settings]\nwindow_s = 300\n'
                                       '[rules.kv_oom_runtime.settings]\nwindow_s = 300\n')
     log = (state / "run.log").open("wb")
-    process = subprocess.Popen([sys.executable, "-m", "kvops", "run", "--config", str(state / "kvops.toml")],
-                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    process = start_in_own_session([sys.executable, "-m", "kvops", "run", "--config", str(state / "kvops.toml")],
+                                   stdout=log, stderr=subprocess.STDOUT)
     url = f"http://{listen}"
     try:
         def answering() -> bool:

@@ -35,7 +35,7 @@ import pytest
 import yaml
 
 from kvops.doctor.liveness import known_prefixes
-from kvops.processes import free_port
+from kvops.processes import free_port, start_in_own_session
 from tests.helpers.waiting import wait_for
 from tests.test_prometheus_e2e import (
     EVERY_KIND_PANELS,
@@ -83,8 +83,8 @@ def supervisor(vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
                       f'[rules.block_size_mismatch]\npolicy = "suggest"\n')
     log_path = state / "kvops-run.log"
     with log_path.open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "kvops", "run", "--config", str(config)], stdout=log,
-                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        process = start_in_own_session([sys.executable, "-m", "kvops", "run", "--config", str(config)], stdout=log,
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
             url = f"http://{listen}"
 

@@ -32,7 +32,7 @@ from kvops.adapters.http_client import HttpClient, HttpError
 from kvops.adapters.prometheus import Scrape
 from kvops.bench.compare import machine
 from kvops.bench.fleet_engines import CAPTURES
-from kvops.processes import free_port
+from kvops.processes import free_port, start_in_own_session
 
 # The rules the troubles should raise, with windows short enough for a run of a few minutes (their defaults are
 # 1-5 minutes; the windows do not change what a poll costs).
@@ -139,8 +139,7 @@ def _process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
     from kvops.vllm.launch import stop_server
 
     with log.open("wb") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True)
+        process = start_in_own_session(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         yield process
     finally:

@@ -41,7 +41,7 @@ import httpx
 from kvops import __version__
 from kvops.bench.compare import CompareError, discover, machine
 from kvops.bench.side_by_side import KV_BYTES, MAX_MODEL_LEN, Started, ready
-from kvops.processes import free_port
+from kvops.processes import free_port, start_in_own_session
 
 TIMEOUT_S = 900.0
 TENANT = "bench"
@@ -237,8 +237,7 @@ async def measure(direct: Target, gateway: Target, model: str, levels: list[Leve
 
 def spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     with log_path.open("wb") as log:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        return start_in_own_session(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
 @contextlib.contextmanager

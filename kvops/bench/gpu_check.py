@@ -31,6 +31,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from kvops.processes import start_in_own_session
+
 PROG = "scripts/gpu-check"
 PART_ORDER = ("parity", "throughput", "bandwidth", "kv_quant")
 # Seconds per part, start-up included (torch, CUDA context, model load, Triton compiles; the first part
@@ -173,8 +175,7 @@ def run_part(name: str, args: argparse.Namespace, budget_s: float, workdir: Path
                "--device", args.device, *(["--smoke"] if args.smoke else [])]
     started = time.monotonic()
     with open(log_path, "wb") as log:
-        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=_child_env(args.device),
-                                 start_new_session=True)
+        child = start_in_own_session(command, stdout=log, stderr=subprocess.STDOUT, env=_child_env(args.device))
         returncode: int | None = None
         try:
             returncode = child.wait(timeout=budget_s)

@@ -29,7 +29,7 @@ import structlog
 from kvops.adapters.engine_client import EngineClient, EngineUnreachable
 from kvops.events.endpoint import EventSource
 from kvops.history import EngineHistory
-from kvops.processes import die_with_parent, free_port
+from kvops.processes import die_with_parent, free_port, start_in_own_session
 from kvops.schema.engines import EngineExit, LogLine
 from kvops.supervisor.engine_spec import EngineSpec
 from kvops.supervisor.launchers import client_for, launcher_for
@@ -105,9 +105,8 @@ class ManagedEngine:
             # Forked from one long-lived thread: PR_SET_PDEATHSIG fires when the *thread* that forked the child
             # ends, and fix jobs (re)start engines from worker threads that come and go.
             self.process = self._spawner.submit(
-                subprocess.Popen, launch.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                stdin=subprocess.DEVNULL, env=launch.env, cwd=launch.cwd, start_new_session=True,
-                preexec_fn=die_with_parent).result()
+                start_in_own_session, launch.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL, env=launch.env, cwd=launch.cwd, preexec_fn=die_with_parent).result()
             self.started_at = self.clock()
             self.next_start_at = None
             log.info("engine started", engine=self.spec.name, pid=self.process.pid, url=self.url,

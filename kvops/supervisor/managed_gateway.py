@@ -23,7 +23,7 @@ from pathlib import Path
 
 import structlog
 
-from kvops.processes import die_with_parent, free_port, stop_process
+from kvops.processes import die_with_parent, free_port, start_in_own_session, stop_process
 from kvops.supervisor.engine_spec import GatewaySpec
 
 log = structlog.get_logger("kvops.supervisor")
@@ -78,8 +78,8 @@ class GatewayHandle:
                 "--upstream-kind", self.spec.upstream_kind, *self._flags()]
         env = dict(os.environ, **{TOKEN_VARIABLE: str(self.admin_token)})
         with self.log_path.open("ab") as output:
-            self.process = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env=env, start_new_session=True, preexec_fn=die_with_parent)
+            self.process = start_in_own_session(argv, stdout=output, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL, env=env, preexec_fn=die_with_parent)
         self.starts += 1
         self._started_at, self._next_start_at = self.clock(), None
         log.info("gateway started", engine=self.engine, pid=self.process.pid, url=self.url, upstream=upstream,

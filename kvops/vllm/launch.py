@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from kvops.processes import process_tree
+from kvops.processes import process_tree, start_in_own_session
 from kvops.vllm.install import neutral_cwd
 
 
@@ -98,8 +98,8 @@ def start_server(python: Path | str, settings: ServerSettings, log: IO[bytes],
             env.pop(key, None)
         else:
             env[key] = value
-    return subprocess.Popen(server_argv(python, settings), env=env, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True, cwd=neutral_cwd())
+    return start_in_own_session(server_argv(python, settings), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, cwd=neutral_cwd())
 
 
 def stop_server(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:

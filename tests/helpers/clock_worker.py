@@ -9,17 +9,23 @@ scenario waiting out its window, a vLLM computing on one core) and gives a core 
 clock worker takes background tests too once its clock tests are done.
 
 Alone, the tests that judge nothing are CPU-bound and the clock tests leave most of a core idle; two workers at equal
-priority would each run at half speed and move the clock tests' verdicts. Measured (docs/benchmarks.md, "The test
-suite's time"): the suite takes 23 min instead of 28, but the clock tests still run slower beside the background
-(likely because an engine's auto thread count takes the niced work for a busy core), so CI runs one process.
+priority would each run at half speed and move the clock tests' verdicts.
+
+Nice alone is not enough on Linux: autogroup schedules each session as one group, and the engines, vLLMs and daemons
+the clock tests start run in sessions of their own (kvops.processes.start_in_own_session), so a nice-19 worker in
+pytest's session got an equal share against them (a 2-thread matmul beside such a burner ran 10x slower). The
+background worker therefore leads a session of its own whose group is at nice 19, and the children it starts in new
+sessions keep that level. Measured: docs/benchmarks.md, "The test suite's time".
 Without xdist (`pytest` with no `-n`) every test runs in the one process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -69,11 +75,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def become_background_worker() -> None:
-    """In a background worker: the last CPU, nice 19, one torch thread, for this process and what it starts.
-    Nothing in the clock worker or outside xdist."""
+    """In a background worker: the last CPU, nice 19 in a session (and autogroup) of its own, one torch thread,
+    for this process and what it starts. Nothing in the clock worker or outside xdist."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker is None or worker == CLOCK_WORKER:
         return
+    with contextlib.suppress(OSError):  # a process-group leader cannot; then its group is pytest's, left at nice 0
+        os.setsid()
+        Path("/proc/self/autogroup").write_text(str(BACKGROUND_NICE))
     pinned = sorted(os.sched_getaffinity(0))[-1:]
     # Every thread of this process, not only the calling one: on Linux affinity and priority are per thread.
     for tid in (int(t) for t in os.listdir("/proc/self/task")):
