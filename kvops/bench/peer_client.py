@@ -67,13 +67,13 @@ class PeerResult:
         return asdict(self)
 
 
-def peer_argv(vllm_python: Path, url: str, model: str, tokenizer: Path, workload: PeerWorkload, result: Path,
-              prompts: int | None = None) -> list[str]:
+def peer_argv(vllm_python: Path, url: str, model: str, tokenizer: Path, workload: PeerWorkload,
+              result: Path) -> list[str]:
     """The command line of one run, writing its JSON result to `result`."""
     return [str(vllm_python), "-c", RUN_SERVE,
             "--backend", "openai", "--endpoint", "/v1/completions", "--base-url", url,
             "--model", model, "--tokenizer", str(tokenizer), *workload.dataset,
-            "--num-prompts", str(prompts or workload.prompts), "--max-concurrency", str(workload.concurrency),
+            "--num-prompts", str(workload.prompts), "--max-concurrency", str(workload.concurrency),
             "--ignore-eos", "--temperature", "0", "--seed", str(SEED), "--disable-tqdm",
             "--save-result", "--save-detailed", "--result-dir", str(result.parent), "--result-filename", result.name]
 
@@ -93,12 +93,12 @@ def parse_result(data: dict[str, Any]) -> PeerResult:
 
 
 def run_peer_client(vllm_python: Path, url: str, model: str, tokenizer: Path, workload: PeerWorkload,
-                    prompts: int | None = None, timeout_s: float = TIMEOUT_S) -> PeerResult:
+                    timeout_s: float = TIMEOUT_S) -> PeerResult:
     """One run of the peer's client against `url`; CompareError with the end of its output when it fails, times out
     or had requests fail."""
     with tempfile.TemporaryDirectory(prefix="kvops-peer-client-") as folder:
         result = Path(folder) / "result.json"
-        argv = peer_argv(vllm_python, url, model, tokenizer, workload, result, prompts)
+        argv = peer_argv(vllm_python, url, model, tokenizer, workload, result)
         try:
             done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired:
