@@ -19,7 +19,8 @@ import json, os, time, pytest
 
 def record(name, start=None):
     # Empty in a process of the boot session (CI's container): that group is the root's, not an autogroup.
-    group = (open("/proc/self/autogroup").read().split() or [None])[-1] if os.path.exists("/proc/self/autogroup") else None
+    path = "/proc/self/autogroup"
+    group = (open(path).read().split() or [None])[-1] if os.path.exists(path) else None
     with open(os.environ["CLOCK_RECORD"], "a") as out:
         out.write(json.dumps({"test": name, "worker": os.environ.get("PYTEST_XDIST_WORKER"),
                               "nice": os.getpriority(os.PRIO_PROCESS, 0), "group_nice": group,
