@@ -194,11 +194,16 @@ def peer_client(targets: list[Server], vllm_python: Path, tokenizer: Path, settl
             results[server.name] = run_peer_client(vllm_python, server.url, server.model, tokenizer, workload).as_dict()
             print(f"peer client {workload.name} {server.name}: {results[server.name]['output_tok_s']:.1f} tok/s, "
                   f"mean ITL {results[server.name]['mean_itl_ms']:.0f} ms", file=sys.stderr, flush=True)
-        best_vllm = max((r["output_tok_s"] for k, r in results.items() if k.startswith("vllm")), default=0.0)
-        ratio = round(results["kvops"]["output_tok_s"] / best_vllm, 3) if best_vllm and "kvops" in results else None
+        _, ratio = over_best_vllm({name: r["output_tok_s"] for name, r in results.items()})
         workloads[workload.name] = {"description": workload.description, "concurrency": workload.concurrency,
                                     "prompts": workload.prompts, "servers": results, "kvops_over_best_vllm": ratio}
     return workloads
+
+
+def over_best_vllm(rates: dict[str, float]) -> tuple[float, float | None]:
+    """The better vLLM's rate (of `vllm` and `vllm-omp`) and kvops's over it; None without both sides."""
+    best = max((v for k, v in rates.items() if k.startswith("vllm")), default=0.0)
+    return best, (round(rates["kvops"] / best, 3) if best and "kvops" in rates else None)
 
 
 def verdicts(workloads: dict[str, Any], targeted: bool = True) -> dict[str, Any]:
@@ -210,8 +215,7 @@ def verdicts(workloads: dict[str, Any], targeted: bool = True) -> dict[str, Any]
         if not w:
             continue
         rates = {server: r["tok_s"] for server, r in w["servers"].items()}
-        best_vllm = max((v for k, v in rates.items() if k.startswith("vllm")), default=0.0)
-        ratio = round(rates["kvops"] / best_vllm, 3) if best_vllm else None
+        best_vllm, ratio = over_best_vllm(rates)
         out[name] = {"kvops_tok_s": rates["kvops"], "best_vllm_tok_s": best_vllm, "ratio": ratio}
         if targeted:
             out[name] |= {"target": least, "met": ratio is not None and ratio >= least}
