@@ -58,19 +58,19 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "on the clock worker, with the background tests at the lowest priority")
     idle = become_background_worker()
     workerinput = getattr(config, "workerinput", None)
-    if workerinput is not None and not idle:
+    if idle is not None:
+        config.stash[IDLE_GROUP] = idle
+    elif workerinput is not None:
         config.stash[MACHINE_LOCK] = MachineLock(str(workerinput["testrunuid"]))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     """The background worker leaves its idle cgroup and removes it once empty (another run may still be in it)."""
-    if os.environ.get("PYTEST_XDIST_WORKER") in (None, CLOCK_WORKER):
-        return
-    for root in CPU_CONTROLLERS:
-        if (root / IDLE_CGROUP).is_dir():
-            with contextlib.suppress(OSError):
-                (root / "cgroup.procs").write_text(str(os.getpid()))
-                (root / IDLE_CGROUP).rmdir()
+    group = config.stash.get(IDLE_GROUP, None)
+    if group is not None:
+        with contextlib.suppress(OSError):
+            (group.parent / "cgroup.procs").write_text(str(os.getpid()))
+            group.rmdir()
 
 
 class MachineLock:
@@ -105,6 +105,7 @@ class MachineLock:
 
 
 MACHINE_LOCK = pytest.StashKey[MachineLock]()
+IDLE_GROUP = pytest.StashKey[Path]()  # the idle cgroup a background worker moved into
 
 
 def runs_alone(item: pytest.Item | None) -> bool:
@@ -182,14 +183,14 @@ def idle_cgroup() -> Path | None:
     return None
 
 
-def become_background_worker() -> bool:
+def become_background_worker() -> Path | None:
     """In a background worker: the last CPU, nice 19 in a session (and autogroup) of its own, the idle scheduling
     policy, an idle cpu cgroup where it can have one, one torch thread, for this process and what it starts.
-    Nothing in the clock worker or outside xdist. Whether the worker is in an idle cgroup."""
+    Nothing in the clock worker or outside xdist. The idle cgroup the worker is in, or None."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker is None or worker == CLOCK_WORKER:
-        return False
-    idle = idle_cgroup() is not None
+        return None
+    idle = idle_cgroup()
     with contextlib.suppress(OSError):  # a process-group leader cannot; then its group is pytest's, left at nice 0
         os.setsid()
         Path("/proc/self/autogroup").write_text(str(BACKGROUND_NICE))
