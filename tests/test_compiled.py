@@ -135,6 +135,44 @@ def test_paged_decode_reads_blocks_in_place_as_the_gathering_reference_attends(o
     assert torch.equal(got[0], layer.data[1, tables[0, 0], 0].repeat_interleave(heads // kv_heads, 0))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_behind_a_shared_prefix_read_it_once_and_get_the_bits_of_one_row_at_a_time(ops, dtype):
+    d, bs, heads, kv_heads = 64, 16, 9, 3
+    generator = torch.Generator().manual_seed(5)
+    layer = allocate_kv_cache_layer("auto", 200, bs, kv_heads, d, dtype)
+    layer.data.copy_(torch.randn(layer.data.shape, generator=generator).to(dtype))
+    free = torch.randperm(200, generator=generator).tolist()
+    prefix_a, prefix_b = [free.pop() for _ in range(6)], [free.pop() for _ in range(3)]
+    # ten rows behind prefix A (more than a span holds), one of them ending inside it; three behind B, which
+    # share only its first two blocks; two of their own. Shuffled, so a span's rows are not neighbours.
+    rows = [(prefix_a, 96 + 5 * i) for i in range(9)] + [(prefix_a, 70)]
+    rows += [(prefix_b[:2] + ([prefix_b[2]] if i == 0 else []), 40 + i) for i in range(3)] + [([], 30), ([], 1)]
+    order = torch.randperm(len(rows), generator=generator).tolist()
+    rows = [rows[i] for i in order]
+    width = 12
+    tables = torch.tensor([(lead + [free.pop() for _ in range(width)])[:width] for lead, _ in rows])
+    lens = torch.tensor([n for _, n in rows])
+    q = torch.randn(len(rows), heads, d, generator=generator).to(dtype)
+    scale = d**-0.5
+
+    order_out, spans = ops.decode_spans(tables, lens, bs)
+    plan = {tuple(sorted(order_out[f:f + c].tolist())): s for f, c, s in spans.tolist()}
+    behind_a = sorted(i for i, (lead, _) in enumerate(rows) if lead is prefix_a)
+    # ten rows: two spans, the one with the short row sharing its 70 tokens, the other all six blocks
+    assert sorted(s for members, s in plan.items() if set(members) <= set(behind_a)) == [70, 6 * bs]
+    behind_b = tuple(sorted(i for i, (lead, _) in enumerate(rows) if lead[:1] == prefix_b[:1]))
+    assert plan[behind_b] == 2 * bs  # the third block is one row's own
+    assert sorted(order_out.tolist()) == list(range(len(rows)))
+
+    got = ops.paged_decode(q, layer.data, tables, lens, scale)
+    one_at_a_time = torch.cat([ops.paged_decode(q[i:i + 1], layer.data, tables[i:i + 1].contiguous(),
+                                                lens[i:i + 1], scale) for i in range(len(rows))])
+    assert torch.equal(got, one_at_a_time)
+    meta = AttentionMetadata(bs, torch.zeros(len(rows), dtype=torch.long), len(rows), tables, lens)
+    tolerance = {"atol": 2e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.02, "rtol": 0.02}
+    torch.testing.assert_close(got, reference.paged_decode_attention(q, layer, meta, scale), **tolerance)
+
+
 def test_decode_steps_run_every_layer_in_one_call_and_other_steps_op_by_op(ops, chat_prompts):
     llm = LLM(EngineConfig(kv_cache_memory="32MiB", max_model_len=512, compile="on"))
     calls: Counter[str] = Counter()

@@ -18,8 +18,36 @@ inline float dot(const float* a, const T* b, int64_t n) {
   return s;
 }
 
-// What both decode attentions read: the shapes, K and V in the cache, the block tables and lengths, the output,
-// and how many (row, KV head) items a thread takes at a time.
+DecodePlan plan_decode(const at::Tensor& tables, const at::Tensor& lens, int64_t bs) {
+  const int64_t rows = tables.size(0), width = tables.size(1);
+  const int64_t* table = tables.data_ptr<int64_t>();
+  const int64_t* len = lens.data_ptr<int64_t>();
+  DecodePlan plan;
+  plan.order.resize(rows);
+  for (int64_t r = 0; r < rows; ++r) plan.order[r] = r;
+  auto first_block = [&](int64_t r) { return len[r] > 0 ? table[r * width] : -1 - r; };
+  std::stable_sort(plan.order.begin(), plan.order.end(),
+                   [&](int64_t a, int64_t b) { return first_block(a) < first_block(b); });
+  for (int64_t i = 0; i < rows;) {
+    const int64_t* lead = table + plan.order[i] * width;
+    int64_t j = i + 1, shortest = len[plan.order[i]];
+    while (j < rows && j - i < kSpanRows && first_block(plan.order[j]) == first_block(plan.order[i]))
+      shortest = std::min(shortest, len[plan.order[j++]]);
+    int64_t blocks = 0;  // leading blocks equal in every row of the span
+    if (j - i > 1)
+      for (const int64_t limit = (shortest + bs - 1) / bs; blocks < limit; ++blocks) {
+        bool same = true;
+        for (int64_t m = i + 1; m < j && same; ++m) same = table[plan.order[m] * width + blocks] == lead[blocks];
+        if (!same) break;
+      }
+    plan.spans.push_back({i, j - i, std::min(blocks * bs, shortest)});
+    i = j;
+  }
+  return plan;
+}
+
+// What the decode attention reads: the shapes, K and V in the cache, the block tables and lengths, the output,
+// and how many (span, KV head) items a thread takes at a time.
 template <typename T>
 struct DecodeView {
   int64_t rows, heads, d, bs, kv_heads, group, width, longest, grain;
@@ -34,161 +62,194 @@ struct DecodeView {
         k(cache.data_ptr<T>()), v(k + cache.stride(0)), table(tables.data_ptr<int64_t>()),
         len(lens.data_ptr<int64_t>()), out(output.data_ptr<T>()) {
     for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, len[r]);
-    grain = std::max<int64_t>(1, kGrainFlops / std::max<int64_t>(1, 4 * group * longest * d));
+    grain = std::max<int64_t>(1, kGrainFlops / std::max<int64_t>(1, 4 * group * longest * d * kSpanRows));
+  }
+
+  // Token t's K (or V, from `half`) row of KV head `kvh` through a block table.
+  const T* at(const T* half, const int64_t* blocks, int64_t t, int64_t kvh) const {
+    return half + ((blocks[t / bs] * bs + t % bs) * kv_heads + kvh) * d;
   }
 };
 
-template <typename T>
-void paged_decode_impl(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
-                       const at::Tensor& lens, double scale, at::Tensor& out) {
-  const auto [rows, heads, d, bs, kv_heads, group, width, longest, grain, qp, kc, vc, table, len, op] =
-      DecodeView<T>(q, cache, tables, lens, out);
-  at::parallel_for(0, rows * kv_heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), acc(group * d), scores(group * longest);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / kv_heads, kvh = item % kv_heads, n = len[r];
-      const int64_t* blocks = table + r * width;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t j = 0; j < d; ++j) qf[g * d + j] = f32(qp[(r * heads + kvh * group + g) * d + j]) * scale;
-      // K in place: each token's row is found through the block table, nothing is gathered
-      for (int64_t t = 0; t < n; ++t) {
-        const T* k = kc + ((blocks[t / bs] * bs + t % bs) * kv_heads + kvh) * d;
-        for (int64_t g = 0; g < group; ++g) scores[g * n + t] = dot(qf.data() + g * d, k, d);
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::vector<float> sums(group);
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * n;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) sum += (s[t] = std::exp(s[t] - top));
-        sums[g] = sum;
-      }
-      for (int64_t t = 0; t < n; ++t) {
-        const T* v = vc + ((blocks[t / bs] * bs + t % bs) * kv_heads + kvh) * d;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * n + t];
-          float* a = acc.data() + g * d;
-          for (int64_t j = 0; j < d; ++j) a[j] += p * f32(v[j]);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        T* o = op + (r * heads + kvh * group + g) * d;
-        const float inv = 1.f / sums[g];
-        for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(acc[g * d + j] * inv);
-      }
-    }
-  });
-}
-
+// q . k over d; with `kVec` (float, d a multiple of 8) in AVX2 registers.
+template <bool kVec, typename T>
+inline float score(const float* q, const T* k, int64_t d) {
 #if defined(__AVX2__) && defined(__FMA__)
-// paged_decode_impl for float with a head size of whole vectors: the same steps, each in AVX2 registers.
-void paged_decode_f32(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables, const at::Tensor& lens,
-                      double scale, at::Tensor& out) {
-  const auto [rows, heads, d, bs, kv_heads, group, width, longest, grain, qp, kc, vc, table, len, op] =
-      DecodeView<float>(q, cache, tables, lens, out);
-  at::parallel_for(0, rows * kv_heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), acc(group * d), scores(group * (longest + 8));
-    const int64_t stride = longest + 8;  // a group's scores, padded to whole vectors
+  if constexpr (kVec) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= d; j += 16) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(k + j), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 8), _mm256_loadu_ps(k + j + 8), a1);
+    }
+    if (j < d) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(k + j), a0);
+    return sum8(_mm256_add_ps(a0, a1));
+  }
+#endif
+  return dot(q, k, d);
+}
+
+// a += p * v over d.
+template <bool kVec, typename T>
+inline void add_scaled(float p, const T* v, float* a, int64_t d) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (kVec) {
+    const __m256 pv = _mm256_set1_ps(p);
+    for (int64_t j = 0; j < d; j += 8)
+      _mm256_storeu_ps(a + j, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + j), _mm256_loadu_ps(a + j)));
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < d; ++j) a[j] += p * f32(v[j]);
+}
+
+// The scores s[0, n) become e^(s - max) in place; returns 1 / their sum.
+template <bool kVec>
+inline float softmax_weights(float* s, int64_t n) {
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
+  float sum = 0.f;
+  int64_t t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (kVec) {
+    const __m256 topv = _mm256_set1_ps(top);
+    __m256 sumv = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), topv));
+      _mm256_storeu_ps(s + t, e);
+      sumv = _mm256_add_ps(sumv, e);
+    }
+    sum = sum8(sumv);
+  }
+#endif
+  for (; t < n; ++t) sum += (s[t] = std::exp(s[t] - top));
+  return 1.f / sum;
+}
+
+// Each (span, KV head) item: the span's queries of that head's group scaled into `qf`, their scores over the shared
+// tokens (one K row for all of them) and then over each row's own, the softmax, and V the same way. Every query's
+// sums run in token order as a row at a time would, so the output is the same to the bit.
+template <typename T, bool kVec>
+void paged_decode_spans(const DecodeView<T>& view, const DecodePlan& plan, double scale) {
+  const auto& [rows, heads, d, bs, kv_heads, group, width, longest, grain, qp, kc, vc, table, len, op] = view;
+  const int64_t stride = longest + 8;  // a query's scores, padded to whole vectors
+  at::parallel_for(0, static_cast<int64_t>(plan.spans.size()) * kv_heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(kSpanRows * group * d), acc(kSpanRows * group * d), scores(kSpanRows * group * stride),
+        inv(kSpanRows * group);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / kv_heads, kvh = item % kv_heads, n = len[r];
-      const int64_t* blocks = table + r * width;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t j = 0; j < d; ++j) qf[g * d + j] = qp[(r * heads + kvh * group + g) * d + j] * scale;
-      for (int64_t t = 0; t < n; ++t) {
-        const float* k = kc + ((blocks[t / bs] * bs + t % bs) * kv_heads + kvh) * d;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * d;
-          __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-          int64_t j = 0;
-          for (; j + 16 <= d; j += 16) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + j), _mm256_loadu_ps(k + j), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + j + 8), _mm256_loadu_ps(k + j + 8), a1);
-          }
-          if (j < d) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + j), _mm256_loadu_ps(k + j), a0);
-          scores[g * stride + t] = sum8(_mm256_add_ps(a0, a1));
+      const Span& span = plan.spans[item / kv_heads];
+      const int64_t kvh = item % kv_heads, queries = span.count * group;
+      const int64_t* members = plan.order.data() + span.first;
+      for (int64_t i = 0; i < span.count; ++i)
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t j = 0; j < d; ++j)
+            qf[(i * group + g) * d + j] = f32(qp[(members[i] * heads + kvh * group + g) * d + j]) * scale;
+      const int64_t* lead = table + members[0] * width;
+      for (int64_t t = 0; t < span.shared; ++t) {
+        const T* k = view.at(kc, lead, t, kvh);
+        for (int64_t m = 0; m < queries; ++m) scores[m * stride + t] = score<kVec>(qf.data() + m * d, k, d);
+      }
+      for (int64_t i = 0; i < span.count; ++i) {
+        const int64_t* blocks = table + members[i] * width;
+        for (int64_t t = span.shared; t < len[members[i]]; ++t) {
+          const T* k = view.at(kc, blocks, t, kvh);
+          for (int64_t m = i * group; m < (i + 1) * group; ++m)
+            scores[m * stride + t] = score<kVec>(qf.data() + m * d, k, d);
         }
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      float inv[64];  // 1 / the softmax's sum, a query head of the group each (GQA groups are small)
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * stride;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
-        const __m256 topv = _mm256_set1_ps(top);
-        __m256 sumv = _mm256_setzero_ps();
-        int64_t t = 0;
-        for (; t + 8 <= n; t += 8) {
-          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), topv));
-          _mm256_storeu_ps(s + t, e);
-          sumv = _mm256_add_ps(sumv, e);
-        }
-        float sum = sum8(sumv);
-        for (; t < n; ++t) sum += (s[t] = std::exp(s[t] - top));
-        inv[g] = 1.f / sum;
+      for (int64_t m = 0; m < queries; ++m)
+        inv[m] = softmax_weights<kVec>(scores.data() + m * stride, len[members[m / group]]);
+      std::fill(acc.begin(), acc.begin() + queries * d, 0.f);
+      for (int64_t t = 0; t < span.shared; ++t) {
+        const T* v = view.at(vc, lead, t, kvh);
+        for (int64_t m = 0; m < queries; ++m) add_scaled<kVec>(scores[m * stride + t], v, acc.data() + m * d, d);
       }
-      for (int64_t t = 0; t < n; ++t) {
-        const float* v = vc + ((blocks[t / bs] * bs + t % bs) * kv_heads + kvh) * d;
-        for (int64_t g = 0; g < group; ++g) {
-          const __m256 p = _mm256_set1_ps(scores[g * stride + t]);
-          float* a = acc.data() + g * d;
-          for (int64_t j = 0; j < d; j += 8)
-            _mm256_storeu_ps(a + j, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + j), _mm256_loadu_ps(a + j)));
+      for (int64_t i = 0; i < span.count; ++i) {
+        const int64_t* blocks = table + members[i] * width;
+        for (int64_t t = span.shared; t < len[members[i]]; ++t) {
+          const T* v = view.at(vc, blocks, t, kvh);
+          for (int64_t m = i * group; m < (i + 1) * group; ++m)
+            add_scaled<kVec>(scores[m * stride + t], v, acc.data() + m * d, d);
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* o = op + (r * heads + kvh * group + g) * d;
-        for (int64_t j = 0; j < d; ++j) o[j] = acc[g * d + j] * inv[g];
+      for (int64_t m = 0; m < queries; ++m) {
+        T* o = op + (members[m / group] * heads + kvh * group + m % group) * d;
+        for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(acc[m * d + j] * inv[m]);
       }
     }
   });
 }
-#endif
-
 
 // Every cache line of the K and V rows that `paged_decode` will read from this layer's cache, on their way to the
-// caches while the layer before is busy with its matmuls. Without it a decode step's attention waited on memory:
-// one stream's ~100 tokens, 30 us a layer, 14 us with the same rows in cache.
-void prefetch_kv(const at::Tensor& cache, const at::Tensor& tables, const at::Tensor& lens) {
+// caches while the layer before is busy with its matmuls; a span's shared tokens once. Without it a decode step's
+// attention waited on memory: one stream's ~100 tokens, 30 us a layer, 14 us with the same rows in cache.
+void prefetch_kv(const at::Tensor& cache, const at::Tensor& tables, const at::Tensor& lens, const DecodePlan& plan) {
   const int64_t bs = cache.size(2), row_bytes = cache.size(3) * cache.size(4) * cache.element_size();
-  const int64_t width = tables.size(1), rows = tables.size(0);
+  const int64_t width = tables.size(1);
   const char* k = static_cast<const char*>(cache.data_ptr());
   const int64_t half = cache.stride(0) * cache.element_size();
   const int64_t* table = tables.data_ptr<int64_t>();
   const int64_t* len = lens.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t b = 0; b * bs < len[r]; ++b) {
-      const int64_t tokens = std::min(bs, len[r] - b * bs);
-      const char* block = k + table[r * width + b] * bs * row_bytes;
+  auto fetch = [&](int64_t r, int64_t from, int64_t to) {  // tokens [from, to) of row r
+    for (int64_t t = from; t < to;) {
+      const int64_t b = t / bs, tokens = std::min((b + 1) * bs, to) - t;
+      const char* row = k + (table[r * width + b] * bs + t % bs) * row_bytes;
       for (int64_t line = 0; line < tokens * row_bytes; line += 64) {
-        __builtin_prefetch(block + line, 0, 1);
-        __builtin_prefetch(block + half + line, 0, 1);
+        __builtin_prefetch(row + line, 0, 1);
+        __builtin_prefetch(row + half + line, 0, 1);
       }
+      t += tokens;
     }
+  };
+  for (const Span& span : plan.spans) {
+    fetch(plan.order[span.first], 0, span.shared);
+    for (int64_t i = 0; i < span.count; ++i) {
+      const int64_t r = plan.order[span.first + i];
+      fetch(r, span.shared, len[r]);
+    }
+  }
 }
 
-// Decode attention: q [rows, heads, d], each row over its `lens` tokens whose blocks are `tables` [rows, width]
-// in the cache [2, blocks, block_size, kv_heads, d]. Query heads share a KV head in groups (GQA).
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
-                        const at::Tensor& lens, double scale) {
+at::Tensor paged_decode_planned(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
+                                const at::Tensor& lens, double scale, const DecodePlan& plan) {
   TORCH_CHECK(q.is_contiguous() && halves_contiguous(cache) && tables.is_contiguous() && lens.is_contiguous(),
               "paged_decode: layouts");
   TORCH_CHECK(cache.scalar_type() == q.scalar_type(), "paged_decode: the cache must hold the model dtype");
   auto out = at::empty_like(q);
+  if (q.scalar_type() == at::kFloat) {
+    const DecodeView<float> view(q, cache, tables, lens, out);
 #if defined(__AVX2__) && defined(__FMA__)
-  if (q.scalar_type() == at::kFloat && q.size(2) % 8 == 0 && q.size(1) / cache.size(3) <= 64) {
-    paged_decode_f32(q, cache, tables, lens, scale, out);
-    return out;
-  }
+    if (view.d % 8 == 0) {
+      paged_decode_spans<float, true>(view, plan, scale);
+      return out;
+    }
 #endif
-  if (q.scalar_type() == at::kFloat)
-    paged_decode_impl<float>(q, cache, tables, lens, scale, out);
-  else if (q.scalar_type() == at::kBFloat16)
-    paged_decode_impl<c10::BFloat16>(q, cache, tables, lens, scale, out);
-  else
+    paged_decode_spans<float, false>(view, plan, scale);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    paged_decode_spans<c10::BFloat16, false>(DecodeView<c10::BFloat16>(q, cache, tables, lens, out), plan, scale);
+  } else {
     TORCH_CHECK(false, "paged_decode: float32 or bfloat16 only, got ", q.scalar_type());
+  }
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_spans(const at::Tensor& tables, const at::Tensor& lens, int64_t block_size) {
+  TORCH_CHECK(tables.is_contiguous() && lens.is_contiguous(), "decode_spans: layouts");
+  const DecodePlan plan = plan_decode(tables, lens, block_size);
+  auto spans = at::empty({static_cast<int64_t>(plan.spans.size()), 3}, lens.options());
+  auto out = spans.accessor<int64_t, 2>();
+  for (size_t i = 0; i < plan.spans.size(); ++i) {
+    out[i][0] = plan.spans[i].first;
+    out[i][1] = plan.spans[i].count;
+    out[i][2] = plan.spans[i].shared;
+  }
+  return {at::tensor(plan.order, lens.options()), spans};
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
+                        const at::Tensor& lens, double scale) {
+  TORCH_CHECK(tables.is_contiguous() && lens.is_contiguous(), "paged_decode: layouts");
+  return paged_decode_planned(q, cache, tables, lens, scale, plan_decode(tables, lens, cache.size(2)));
 }
 
 }  // namespace kvops_step

@@ -201,6 +201,8 @@ std::tuple<at::Tensor, double> decode_layers(at::Tensor x, const c10::List<std::
     return out;
   };
   const int64_t rows = x.size(0);
+  TORCH_CHECK(tables.is_contiguous() && lens.is_contiguous() && !caches.empty(), "decode_layers: layouts");
+  const DecodePlan plan = plan_decode(tables, lens, caches[0].size(2));  // one block table for every layer
   std::optional<at::Tensor> delta;
   for (size_t i = 0; i < caches.size(); ++i) {
     auto weight = [&](size_t k) { return layers.get(7 * i + k); };
@@ -214,11 +216,11 @@ std::tuple<at::Tensor, double> decode_layers(at::Tensor x, const c10::List<std::
     at::Tensor attn;
     {
       RECORD_FUNCTION("kvops_step::paged_decode", std::vector<c10::IValue>());
-      attn = paged_decode(q, caches[i], tables, lens, scale).view({rows, -1});
+      attn = paged_decode_planned(q, caches[i], tables, lens, scale, plan).view({rows, -1});
     }
     h = add_rms_norm(x, linear(attn, *weight(3), std::nullopt), *weight(4), eps);
     at::Tensor gate_up = linear(h, *weight(5), std::nullopt);
-    if (i + 1 < caches.size()) prefetch_kv(caches[i + 1], tables, lens);  // the next layer's, during the down matmul
+    if (i + 1 < caches.size()) prefetch_kv(caches[i + 1], tables, lens, plan);  // the next layer's, during the down matmul
     delta = linear(silu_mul(gate_up), *weight(6), std::nullopt);
   }
   if (delta.has_value()) x.add_(*delta);
@@ -236,6 +238,7 @@ TORCH_LIBRARY(kvops_step, m) {
         "int heads, int kv_heads) -> Tensor",
         rope_write);
   m.def("paged_decode(Tensor q, Tensor cache, Tensor tables, Tensor lens, float scale) -> Tensor", paged_decode);
+  m.def("decode_spans(Tensor tables, Tensor lens, int block_size) -> (Tensor, Tensor)", decode_spans);
   m.def("silu_mul(Tensor gate_up) -> Tensor", silu_mul);
   m.def("gemv(Tensor x, Tensor w) -> Tensor", gemv);
   m.def("decode_layers(Tensor(a!) x, Tensor?[] layers, Tensor(b!)[] caches, Tensor positions, Tensor cos, "

@@ -66,9 +66,34 @@ inline float sum8(__m256 v) {
 #endif
 
 // kvops/engine/step_attention.cpp
+// Decode rows whose block tables begin with the same physical blocks (a prefix they share under prefix caching):
+// `count` rows listed from `first` in the plan's order, their first `shared` tokens in the same blocks. The kernel
+// reads each of those K and V rows once for every query of the span, where a row at a time read the prefix once a
+// row (16 rows on a 1000-token prefix read 16 MB a layer for 1 MB of K/V).
+struct Span {
+  int64_t first, count, shared;
+};
+
+// Spans of at most kSpanRows rows: enough to read a shared prefix once for many queries, and a step of 16 rows
+// behind one prefix still makes 2 spans x 3 KV heads of work for the threads.
+constexpr int64_t kSpanRows = 8;
+
+struct DecodePlan {
+  std::vector<int64_t> order;  // the step's rows, those with the same first block together
+  std::vector<Span> spans;
+};
+
+// The spans of a step's decode rows, from its block tables [rows, width] and lengths: the same for every layer.
+DecodePlan plan_decode(const at::Tensor& tables, const at::Tensor& lens, int64_t bs);
+// The plan as tensors, for tests and profiles: the rows' order [rows] and each span's (first, count, shared) [spans, 3].
+std::tuple<at::Tensor, at::Tensor> decode_spans(const at::Tensor& tables, const at::Tensor& lens, int64_t block_size);
+// Decode attention: q [rows, heads, d], each row over its `lens` tokens whose blocks are `tables` [rows, width]
+// in the cache [2, blocks, block_size, kv_heads, d]. Query heads share a KV head in groups (GQA).
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
                         const at::Tensor& lens, double scale);
-void prefetch_kv(const at::Tensor& cache, const at::Tensor& tables, const at::Tensor& lens);
+at::Tensor paged_decode_planned(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
+                                const at::Tensor& lens, double scale, const DecodePlan& plan);
+void prefetch_kv(const at::Tensor& cache, const at::Tensor& tables, const at::Tensor& lens, const DecodePlan& plan);
 
 // kvops/engine/step_matmul.cpp
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w);
