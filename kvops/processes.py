@@ -61,6 +61,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def reserve_port(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A port held for a child that binds it later (a free one for port 0): a socket bound with SO_REUSEADDR that
+    never listens. Until it is closed, no other process's bind(0) or outgoing connection takes the port (on a busy
+    machine one did, in the seconds an engine loads before it binds, and every restart on that port failed), while
+    the child, which binds with SO_REUSEADDR (uvicorn, vLLM), still can. OSError when something else holds it."""
+    sock = socket.socket()
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def process_tree(pid: int) -> list[psutil.Process]:
     """A process and all its descendants now (vLLM's API server and its engine core); [] for one that is gone.
     A member can still exit while the caller reads it: catch psutil.Error per member."""

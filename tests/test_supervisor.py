@@ -110,8 +110,11 @@ class Daemon:
         self.listen = next(line.split('"')[1] for line in config.read_text().splitlines() if "listen" in line)
         self.api = f"http://{self.listen}"
         env = {**os.environ, "KVOPS_ADMIN_TOKEN": "sup-token"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvops", "run", "--config", str(config)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+        # Its log goes to a file: a pipe that nobody reads until it exits would stop the daemon at 64 KiB.
+        self.log = config.with_name(f"daemon-{time.monotonic_ns()}.log")
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvops", "run", "--config", str(config)],
+                                         stdout=subprocess.DEVNULL, stderr=log, env=env)
 
     def get(self, path: str) -> Any:
         return httpx.get(self.api + path, timeout=5).json()
@@ -120,7 +123,15 @@ class Daemon:
         return self.get("/api/engines")[0]
 
     def wait(self, what: str, check: Callable[[], Any], timeout_s: float = 120) -> Any:
-        return wait_for(what, check, timeout_s, (self.proc,), every_s=0.2)
+        try:
+            return wait_for(what, check, timeout_s, (self.proc,), every_s=0.2)
+        except AssertionError as exc:  # what the daemon was doing: its engines and the end of its log
+            try:
+                engines = httpx.get(self.api + "/api/engines", timeout=5).text[:2000]
+            except httpx.HTTPError as http_error:
+                engines = f"(no answer: {http_error})"
+            tail = self.log.read_text(errors="replace")[-4000:]
+            raise AssertionError(f"{exc}\n/api/engines: {engines}\nthe daemon's log ends:\n{tail}") from None
 
     def wait_engine_up(self, not_pid: int | None = None, timeout_s: float = 120) -> int:
         def up() -> int | None:
@@ -152,7 +163,17 @@ def _gone(pid: int, timeout_s: float = 15) -> bool:
 def test_engine_killed_alerts_survive_receiver_outage_and_daemon_kill(tmp_path: Path, receiver: Receiver):
     daemon = Daemon(_config(tmp_path, receiver))  # the receiver starts down
     try:
-        pid = daemon.wait_engine_up()
+        # Another process binding the engine's port while the engine loads (a bind(0) elsewhere drew it in one CI
+        # run) had every start and restart on that port fail until the crash loop stopped them: the supervisor
+        # holds the port from the moment it picks it.
+        port = int(daemon.wait("the engine's URL", lambda: daemon.engine()["url"]).rsplit(":", 1)[1])
+        squatter = socket.socket()
+        try:
+            with pytest.raises(OSError):
+                squatter.bind(("127.0.0.1", port))
+            pid = daemon.wait_engine_up()
+        finally:
+            squatter.close()
         receiver_down_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         killed_at = time.time()

@@ -29,8 +29,9 @@ import structlog
 from kvops.adapters.engine_client import EngineClient, EngineUnreachable
 from kvops.events.endpoint import EventSource
 from kvops.history import EngineHistory
-from kvops.processes import die_with_parent, free_port, start_in_own_session
+from kvops.processes import die_with_parent, reserve_port, start_in_own_session
 from kvops.schema.engines import EngineExit, LogLine
+from kvops.schema.errors import ConfigError
 from kvops.supervisor.engine_spec import EngineSpec
 from kvops.supervisor.launchers import client_for, launcher_for
 
@@ -48,7 +49,12 @@ class ManagedEngine:
         self.launcher = launcher_for(spec.kind, spec.start())
         self.args: dict[str, Any] = dict(spec.args)  # current settings; a restart fix changes them
         self.admin_token = secrets.token_urlsafe(24)  # only the supervisor knows it
-        self.port = spec.port or free_port(spec.host)
+        try:  # held from now until the supervisor closes: every start and restart binds it
+            self._port_hold = reserve_port(spec.host, spec.port or 0)
+        except OSError as exc:
+            raise ConfigError(f"engine {spec.name!r}: cannot hold port {spec.port} on {spec.host} for it ({exc}): "
+                              "another process has it; stop that process or set another `port`") from None
+        self.port = int(self._port_hold.getsockname()[1])
         self.url = f"http://{spec.host}:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0
@@ -231,6 +237,7 @@ class ManagedEngine:
             finally:
                 if self.closed:
                     self._spawner.shutdown(wait=False)
+                    self._port_hold.close()
 
     def _stop_process(self, timeout_s: float | None) -> None:
         """The body of `stop`, under its lock."""
