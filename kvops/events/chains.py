@@ -1,5 +1,5 @@
 """The blocks the index knows, as parallel columns, and what stats() reads off them in one vectorized pass:
-resident blocks by age, and the largest shared prefixes.
+resident blocks by age, the largest shared prefixes (branch points), and the resident chains (linear ones too).
 
 A block is a slot: an index into typed arrays (array.array, a few bytes per field) instead of one Python object
 per block, which is what keeps a million resident blocks within the memory budget (docs/benchmarks.md, "KV
@@ -12,25 +12,27 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvops.events.wire import BlockHash
-from kvops.schema.kv_events import NO_TENANT, SharedPrefix
+from kvops.schema.kv_events import NO_TENANT, ResidentChain, SharedPrefix
 
 GROW_MIN = 1024
 SHARED_PREFIXES = 5
+RESIDENT_CHAINS = 5
 
 
 _COLUMNS = (("parent", "i"), ("children", "i"), ("alive", "b"), ("tenant", "i"), ("chain", "q"), ("tokens", "i"),
-            ("stored_at", "d"), ("last_use", "d"), ("root_chain", "q"), ("held", "b"))
+            ("stored_at", "d"), ("last_use", "d"), ("root_chain", "q"), ("held", "b"), ("hits", "i"))
 
 
 class SlotTable:
     """Per-block columns. parent: the parent's slot or -1; children: slots whose parent this is (resident or
     ghost); alive: 1 when resident; chain: a hash of the token chain without salt or LoRA, and root_chain its
-    root's; held: 1 when entered in the cross-tenant block table (kvops.events.duplicates). Times are the
-    publisher's clock.
+    root's; held: 1 when entered in the cross-tenant block table (kvops.events.duplicates); hits: stores of the
+    block while it was resident (reuses vLLM reported). Times are the publisher's clock.
 
     Each column is an array.array read and written through a memoryview, which takes an item in half the time
     the array itself does. A column cannot grow while a view of it is out, so the hot paths reserve() the slots
@@ -38,8 +40,8 @@ class SlotTable:
     A freed slot keeps its old values (children 0, alive 0): every column is set again when it is handed out.
     """
 
-    __slots__ = ("_arrays", "alive", "chain", "children", "columns", "free", "hashes", "held", "last_use", "parent",
-                 "root_chain", "stored_at", "tenant", "tokens", "used")
+    __slots__ = ("_arrays", "alive", "chain", "children", "columns", "free", "hashes", "held", "hits", "last_use",
+                 "parent", "root_chain", "stored_at", "tenant", "tokens", "used")
 
     def __init__(self) -> None:
         self._arrays = [array(code) for _, code in _COLUMNS]
@@ -52,7 +54,7 @@ class SlotTable:
         views = tuple(memoryview(a) for a in self._arrays)
         self.columns = views
         (self.parent, self.children, self.alive, self.tenant, self.chain, self.tokens, self.stored_at,
-         self.last_use, self.root_chain, self.held) = views
+         self.last_use, self.root_chain, self.held, self.hits) = views
 
     def reserve(self, count: int) -> None:
         """Room for `count` more slots without growing (call before taking `columns`)."""
@@ -157,6 +159,78 @@ def shared_prefixes(table: SlotTable, tenant_names: list[str | None],
             tenant=(tenant_names[tenant] if tenant < len(tenant_names) else None) or NO_TENANT,
             first_tokens=named.get(root_hash, []) if root_hash is not None else []))
     return out
+
+
+@dataclass(frozen=True)
+class PrefixView:
+    """The branch points and the resident chains, computed together: the index refreshes them on one clock."""
+
+    shared: list[SharedPrefix] = field(default_factory=list)
+    chains: list[ResidentChain] = field(default_factory=list)
+    chains_total: int = 0
+
+
+def prefix_view(table: SlotTable, tenant_names: list[str | None],
+                first_tokens: Callable[[list[BlockHash]], dict[BlockHash, list[int]]]) -> PrefixView:
+    chains, total = resident_chains(table, tenant_names, RESIDENT_CHAINS)
+    return PrefixView(shared_prefixes(table, tenant_names, first_tokens), chains, total)
+
+
+def resident_chains(table: SlotTable, tenant_names: list[str | None],
+                    limit: int = RESIDENT_CHAINS) -> tuple[list[ResidentChain], int]:
+    """The runs of resident blocks linked parent to child (linear or branching), most blocks first, and how many
+    there are. A run starts at a resident block whose parent is not resident: past a removed block vLLM's prefix
+    lookup stops, so what hangs below it is a run of its own. Each block finds its run's first block by pointer
+    jumping (every pass doubles how far up a block's pointer reaches): log2 of the deepest chain passes, not
+    its depth."""
+    n = table.used
+    alive = np.frombuffer(table.alive, dtype=np.int8, count=n).astype(bool)
+    if not alive.any():
+        return [], 0
+    parent = np.frombuffer(table.parent, dtype=np.int32, count=n).astype(np.int64)
+    tokens = np.frombuffer(table.tokens, dtype=np.int32, count=n).astype(np.int64)
+    linked = alive & (parent >= 0)
+    linked[linked] = alive[parent[linked]]  # its parent resident too
+    up = np.where(linked, parent, np.arange(n))
+    # Edges from each block up to `up`, and the tokens of the blocks above it up to and including `up`.
+    edges = linked.astype(np.int64)
+    above = np.where(linked, tokens[up], 0)
+    for _ in range(max(1, n.bit_length())):  # a cycle (a broken or hostile stream) must not hang stats()
+        further = up[up]
+        if np.array_equal(further, up):
+            break
+        edges += edges[up]
+        above += above[up]
+        up = further
+    heads = np.flatnonzero(alive & ~linked)
+    member = alive & ~linked[up]  # reached its run's head (a block on a cycle never does)
+    root = up[member]
+    blocks = np.bincount(root, minlength=n)
+    children = np.bincount(parent[linked], minlength=n)[:n]
+    leaf = member & (children == 0)
+    leaves = np.bincount(up[leaf], minlength=n)
+    branches = np.bincount(up[member & (children >= 2)], minlength=n)
+    hits = np.frombuffer(table.hits, dtype=np.int32, count=n).astype(np.int64)
+    hit_tokens = np.bincount(root, weights=(hits * tokens)[member], minlength=n)
+    # A run's longest path ends at one of its leaves: the deepest leaf of each head, the most tokens among equals.
+    depth, path_tokens = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    ends = np.flatnonzero(leaf)
+    if ends.size:
+        order = ends[np.lexsort((above[ends] + tokens[ends], edges[ends], up[ends]))]
+        last = order[np.append(up[order][1:] != up[order][:-1], True)]
+        depth[up[last]] = edges[last] + 1
+        path_tokens[up[last]] = above[last] + tokens[last]
+    top = heads[np.argsort(-blocks[heads], kind="stable")[:limit]]
+    out = []
+    for head in top.tolist():
+        tenant = table.tenant[head]
+        out.append(ResidentChain(
+            block_hash=short_hash(table.hashes[head]), blocks=int(blocks[head]), depth=int(depth[head]),
+            tokens=int(path_tokens[head]), leaves=int(leaves[head]), branches=int(branches[head]),
+            hits=int(hits[head]), hit_tokens=int(hit_tokens[head]),
+            tenant=(tenant_names[tenant] if tenant < len(tenant_names) else None) or NO_TENANT,
+            detached=bool(parent[head] >= 0)))
+    return out, int(heads.size)
 
 
 def _walk_up(table: SlotTable, slot: int) -> tuple[int, int, int]:

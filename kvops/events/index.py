@@ -5,7 +5,7 @@ parent, token count, tenant, stored-at, last use, a salt-free chain key. Time is
 (DecodedBatch.ts), so replayed and live batches age alike.
 
 - A store of a hash already resident is a hit that vLLM reports (`kv_cache_report_mode = "full"`): it is a use,
-  not a store.
+  not a store, counted in the block's hits (a resident chain's reuse, chains.resident_chains).
 - A block's last use is its store or a store under it. Only the direct parent is stamped on a store, and a
   removed block hands its last use to its parent: vLLM evicts a chain tail first, so by the time a block goes,
   the uses below it have come up to it, at O(1) a block instead of a walk to the root.
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvops.events.chains import SlotTable, resident_by_age, shared_prefixes
+from kvops.events.chains import PrefixView, SlotTable, prefix_view, resident_by_age
 from kvops.events.counters import FLUSH_AT, ResidencyHistogram, TenantTable
 from kvops.events.duplicates import CrossTenant
 from kvops.events.extra_keys import content_keys, tenant_name
@@ -40,7 +40,6 @@ from kvops.schema.kv_events import (
     RESIDENCY_BOUNDS_S,
     EventStreamHealth,
     KvEventStats,
-    SharedPrefix,
 )
 
 GPU = "GPU"
@@ -77,7 +76,7 @@ class ResidentIndex:
         self._idle = ResidencyHistogram(RESIDENCY_BOUNDS_S)
         self._reuse_gap = ResidencyHistogram(RESIDENCY_BOUNDS_S)
         self._version = 0
-        self._prefixes: tuple[int, float, list[SharedPrefix]] = (-1, 0.0, [])  # index version, next due, view
+        self._prefixes: tuple[int, float, PrefixView] = (-1, 0.0, PrefixView())  # index version, next due, view
 
     # ------------------------------------------------------------------ applying
 
@@ -145,7 +144,7 @@ class ResidentIndex:
         table = self._table
         table.reserve(count + 1)  # the blocks and a parent the index never saw: no growing from here on
         (parent_col, children, alive, tenant_col, chain_col, tokens_col, stored_col, use_col, root_col,
-         _) = table.columns
+         _, hits_col) = table.columns
         extra = event.extra_keys
         if extra is not None and not any(extra):
             extra = None
@@ -203,6 +202,7 @@ class ResidentIndex:
                     children[parent] += 1
             elif alive[slot]:
                 use_col[slot] = ts  # a hit vLLM reported: a use, not a store
+                hits_col[slot] += 1
                 parent, chain, root_chain = slot, chain_col[slot], root_col[slot]
                 continue
             elif parent_col[slot] != parent:  # a ghost stored again (its resident children join it) elsewhere
@@ -212,6 +212,7 @@ class ResidentIndex:
             tenant_col[slot] = tenant
             stored_col[slot] = ts
             use_col[slot] = ts
+            hits_col[slot] = 0
             chain_col[slot] = chain
             if parent < 0:  # a root: a prompt's first block
                 root_chain = chain
@@ -286,7 +287,7 @@ class ResidentIndex:
         by_tenant = dupes is not None
         table = self._table
         (parent_col, children, alive, tenant_col, chain_col, tokens_col, stored_col, use_col, _,
-         held_col) = table.columns
+         held_col, _) = table.columns
         free = table.free
         gone_tenants: list[int] = []
         roots: tuple[list[int], list[int]] = ([], [])
@@ -375,7 +376,7 @@ class ResidentIndex:
         table = self._table
         version, due, _ = self._prefixes
         if version != self._version and (table.used < PREFIX_EVERY_CALL or now >= due):
-            found = shared_prefixes(table, self._tenants.names, self._roots.first_tokens)
+            found = prefix_view(table, self._tenants.names, self._roots.first_tokens)
             self._prefixes = (self._version, now + PREFIX_REFRESH_S, found)
         return KvEventStats(
             stream=stream, block_size=self._block_size, pool_blocks=pool_blocks, resident=dict(self._resident),
@@ -386,7 +387,8 @@ class ResidentIndex:
             restore_window_s=self.restore_window_s, root_stores_total=self._root_stores,
             root_restores_total=self._root_restores, cross_tenant_duplicates_total=self._cross_tenant,
             lifetime_s=self._lifetime.model(), idle_before_evict_s=self._idle.model(),
-            reuse_gap_s=self._reuse_gap.model(), shared_prefixes=list(self._prefixes[2]),
+            reuse_gap_s=self._reuse_gap.model(), shared_prefixes=list(self._prefixes[2].shared),
+            resident_chains=list(self._prefixes[2].chains), resident_chains_total=self._prefixes[2].chains_total,
             root_variants=list(self._roots.variants()))
 
     def memory_bytes(self) -> int:

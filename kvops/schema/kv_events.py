@@ -72,6 +72,24 @@ class SharedPrefix(BaseModel):
     first_tokens: list[int] = Field(default_factory=list)  # the root's first token ids (at most 16), to name it
 
 
+class ResidentChain(BaseModel):
+    """A run of resident blocks linked parent to child (linear or branching), from a resident block whose parent is
+    not resident: how much of the cache one prefix holds, and what the events say of its reuse."""
+
+    block_hash: str  # its first resident block, hex, shortened to 16 characters
+    blocks: int  # resident blocks in the run
+    depth: int  # blocks on its longest path
+    tokens: int  # tokens on its longest path
+    leaves: int  # resident blocks without a resident child: each the end of another request's path
+    branches: int  # resident blocks with two or more resident children
+    # Stores of its first block while it was resident: vLLM publishes those only for requests that ask it to
+    # (kv_cache_report_mode "full"), once per request that found the block cached; 0 says nothing otherwise.
+    hits: int = 0
+    hit_tokens: int = 0  # the same stores over every block of the run: tokens they found cached
+    tenant: str = NO_TENANT
+    detached: bool = False  # its parent is known but not resident: vLLM's prefix lookup cannot reach it
+
+
 class RootVariant(BaseModel):
     """Root blocks (a prompt's first block) that differ in only a few token positions: the same prompt with a
     timestamp, a request id or whitespace changed, which defeats the prefix cache (prompt variance)."""
@@ -119,6 +137,8 @@ class KvEventStats(BaseModel):
     idle_before_evict_s: Histogram  # removed blocks: last use seen (its store, or a child's store) -> removed
     reuse_gap_s: Histogram  # re-stored blocks: removed -> stored again
     shared_prefixes: list[SharedPrefix] = Field(default_factory=list)  # most descendants first, at most 5
+    resident_chains: list[ResidentChain] = Field(default_factory=list)  # most blocks first, at most 5
+    resident_chains_total: int = 0  # every resident chain, shown or not
     root_variants: list[RootVariant] = Field(default_factory=list)  # most roots first, at most 5
 
 

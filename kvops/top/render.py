@@ -8,9 +8,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvops.schema.kv_events import NO_TENANT, EventStreamHealth, KvEventStats
+from kvops.schema.kv_events import EventStreamHealth, KvEventStats
 from kvops.schema.snapshot import Histogram, Snapshot, TenantStats, histogram_since
 from kvops.top.client import EngineView, Poller, Source, SupervisorRefused
+from kvops.top.prefix_view import prefix_lines
 
 
 def fmt_bytes(n: float) -> str:
@@ -281,7 +282,7 @@ def _p50_p95(h: Histogram | None) -> str:
 
 def kv_event_lines(history: Sequence[Snapshot]) -> list[str]:
     """The events' numbers for the latest snapshot of `history` (oldest first): the stream's health, store and
-    remove rates, re-stores, block lifetime and idle time before eviction, the largest shared prefixes."""
+    remove rates, re-stores, block lifetime and idle time before eviction, the resident chains and their reuse."""
     latest = history[-1] if history else None
     rates = event_rates(history)
     if latest is None or latest.kv_events is None or rates is None:
@@ -299,13 +300,7 @@ def kv_event_lines(history: Sequence[Snapshot]) -> list[str]:
     if latest.residency is not None:  # vLLM's own sampled histograms (--kv-cache-metrics), cumulative
         r = latest.residency
         lines.append(f"vLLM's metrics: lifetime {_p50_p95(r.lifetime_s)}  idle {_p50_p95(r.idle_before_evict_s)}")
-    if ev.shared_prefixes:
-        lines.append("largest shared prefixes: blocks below, depth (tokens), tenant, head")
-        lines.extend(f"  {p.descendants:>6}  {p.depth:>4} blk ({p.tokens:,} tok)  "
-                     f"{p.tenant if p.tenant != NO_TENANT else '(none)'}  {p.block_hash[:12]}"
-                     for p in ev.shared_prefixes)
-    else:
-        lines.append("no shared prefix: no resident block has resident blocks below it")
+    lines.extend(prefix_lines(latest))  # the resident chains and what served them (kvops.top.prefix_view)
     return lines
 
 
