@@ -11,8 +11,19 @@ from collections.abc import Callable
 from typing import Any
 
 from kvops.adapters.engine_client import EngineClient, EngineUnreachable
-from kvops.adapters.prometheus import Scrape, ScrapeError
-from kvops.kinds import AUTO, Capability, EngineProfile, detect, kinds, profile, snapshot_from_scrape, unrecognised
+from kvops.adapters.http_client import HttpError
+from kvops.adapters.prometheus import Scrape
+from kvops.kinds import (
+    AUTO,
+    Capability,
+    EngineProfile,
+    detect,
+    first_scrape,
+    kinds,
+    profile,
+    snapshot_from_scrape,
+    unrecognised,
+)
 from kvops.schema.reports import BlockSizeProfile, KVQuantProfile
 from kvops.schema.snapshot import Snapshot
 
@@ -27,14 +38,34 @@ class WatchedEngineClient(EngineClient):
         self.clock = clock
         self.first_seen: float | None = None  # uptime fallback when the scrape has no process start time
         self._models: dict[str, Any] | None = None
+        self._metrics_path: str | None = None  # where its Prometheus text was found
 
     # ------------------------------------------------------------- reading
 
     def scrape(self) -> Scrape:
-        try:
-            return Scrape.parse(self._request("GET", "/metrics").text)
-        except ScrapeError as exc:
-            raise EngineUnreachable(f"GET {self.url}/metrics: {exc}") from None
+        """The Prometheus text, from the first of the kind's paths that has samples (kvops.kinds.metrics_paths:
+        trtllm-serve's is `/prometheus/metrics`, its `/metrics` is JSON); the path found is kept, one request a poll."""
+        if self._metrics_path is not None:
+            return Scrape.parse(self._request("GET", self._metrics_path).text)
+        statuses: list[str] = []
+
+        def get(path: str) -> str | None:
+            try:
+                reply = self._http.request("GET", path)
+            except HttpError as exc:  # no answer at all: the other paths would not answer either
+                raise EngineUnreachable(f"GET {self.url}{path}: {exc}") from None
+            if reply.status_code >= 400:
+                statuses.append(f"GET {self.url}{path}: HTTP {reply.status_code}: {reply.text[:200]}")
+                return None
+            return reply.text
+
+        found = first_scrape(get, self.kind)
+        if found is None:
+            raise EngineUnreachable(statuses[0])
+        path, scrape = found
+        if scrape.names:
+            self._metrics_path = path
+        return scrape
 
     def models(self) -> dict[str, Any] | None:
         try:

@@ -38,6 +38,8 @@ FIXTURES = {
     "tensorrt-llm-triton-2025-readme-kv-fraction-disagg.txt": "tensorrt_llm",
     "trtllm-serve-2025-07-pr5785-unprefixed-ttft-excerpt.txt": "tensorrt_llm",
     "trtllm-serve-2026-03-aibrix2004-e2e-excerpt.txt": "tensorrt_llm",
+    "trtllm-serve-2025-06-pr5560-pytrtllm-excerpt.txt": "tensorrt_llm",
+    "trtllm-serve-2026-source-test-hit-rate-line.txt": "tensorrt_llm",
 }
 
 
@@ -237,6 +239,37 @@ def test_trtllm_serve_unprefixed_names_read_as_tensorrt_llm() -> None:
     assert not snap.knows("blocks") and not snap.knows("requests.waiting") and not snap.knows("itl")
     e2e = read("trtllm-serve-2026-03-aibrix2004-e2e-excerpt.txt")
     assert e2e.source == "tensorrt_llm" and not e2e.knows("ttft")  # end-to-end latency alone: nothing kvops reads
+
+
+def test_trtllm_serve_pr5560_pytrtllm_names_read_as_tensorrt_llm(capsys: pytest.CaptureFixture[str]) -> None:
+    # The PyTorch backend's `pytrtllm:` names (PR #5560, closed unmerged: a build of that branch, never a
+    # release). Before: refused, no kind's names (doctor's exit code 2).
+    snap = read("trtllm-serve-2025-06-pr5560-pytrtllm-excerpt.txt")
+    assert snap.engine.model == "deepseek-ai/DeepSeek-V3-0324"
+    requests = snap.requests
+    assert (requests.running, requests.waiting) == (1, 0)
+    assert (requests.prompt_tokens_total, requests.generation_tokens_total) == (201121, 81896)
+    assert (requests.finished_total, requests.aborted_total) == (707, 0)  # 708 started: 707 + 1 running
+    assert snap.metrics_read["requests.aborted_total"] == ["pytrtllm:request_cancelled_total",
+                                                           "pytrtllm:request_failed_total"]
+    assert not snap.knows("blocks") and not snap.knows("ttft") and not snap.knows("prefix_cache.hit_rate")
+    for source in profile("tensorrt_llm").metrics.values():  # no remedy names the unreleased build's metrics
+        assert not any(name.startswith("pytrtllm:") for name in source.names), source
+    code, text = doctor("trtllm-serve-2025-06-pr5560-pytrtllm-excerpt.txt", capsys)
+    assert code == 0
+    assert line(text, "Queueing").endswith("0 waiting, 1 running")
+    assert "0 of 707 ended requests" in line(text, "Aborted requests")
+
+
+def test_trtllm_serve_hit_rate_gauge_alone_is_the_hit_rate() -> None:
+    # trtllm-serve from PR #11243 (Feb 2026) exports `trtllm_kv_cache_hit_rate` before PR #12132 added the
+    # reused / missed block counters behind it. The line is TensorRT-LLM's own test's example of it (SOURCES.md).
+    # Before: the gauge was not read, the hit rate unknown.
+    snap = read("trtllm-serve-2026-source-test-hit-rate-line.txt")
+    assert snap.prefix_cache.hit_rate == 0.5 and snap.knows("prefix_cache.hit_rate")
+    assert snap.metrics_read["prefix_cache.hit_rate"] == ["trtllm_kv_cache_hit_rate"]
+    assert not snap.knows("prefix_cache.queries_total")  # a rate, not the lookups behind it
+    assert snap.engine.model == "llama"
 
 
 def test_doctor_reads_tensorrt_llm(capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,11 +12,21 @@ from urllib.parse import urlparse
 
 import httpx
 
-from kvops.adapters import Scrape, ScrapeError
+from kvops.adapters import Scrape
 from kvops.adapters.engine_client import EngineUnreachable
 from kvops.doctor.report import Check, Status
 from kvops.doctor.validator import Examined
-from kvops.kinds import ENABLE_METRICS, PROFILES, Capability, Remedy, detect, metrics_switches, model_card, profile
+from kvops.kinds import (
+    ENABLE_METRICS,
+    PROFILES,
+    Capability,
+    Remedy,
+    detect,
+    first_scrape,
+    metrics_switches,
+    model_card,
+    profile,
+)
 from kvops.schema.reports import BlockSizeProfile, KVQuantProfile
 from kvops.schema.snapshot import Snapshot
 from kvops.watching import WatchedEngineClient
@@ -122,11 +132,17 @@ def _reason(exc: Exception) -> str:
 
 
 def _scrape(http: httpx.Client) -> Scrape | None:
-    try:
-        response = http.get("/metrics")
-        return Scrape.parse(response.text) if response.status_code == 200 else None
-    except (httpx.HTTPError, ScrapeError):
-        return None
+    """The Prometheus text from the first path that has it (kvops.kinds.metrics_paths: trtllm-serve's `/metrics` is
+    JSON, its text is at `/prometheus/metrics`)."""
+    def get(path: str) -> str | None:
+        try:
+            response = http.get(path)
+        except httpx.HTTPError:
+            return None
+        return response.text if response.status_code == 200 else None
+
+    found = first_scrape(get)
+    return None if found is None else found[1]
 
 
 def _supervisor_engines(http: httpx.Client, health: httpx.Response) -> list[dict[str, Any]] | None:

@@ -45,21 +45,40 @@ def _aborted(latest: Snapshot, found: list[Diagnosis]) -> Check:
         return from_diagnosis(title, found[0], latest, SECTION)
     requests = latest.requests
     abandoned = requests.abandoned_total or 0
-    if not latest.knows("requests.aborted_total") and requests.abandoned_total is None:
-        return unreported(title, latest, "aborted requests", "requests.aborted_total", SECTION)
+    counted = latest.knows("requests.aborted_total")
+    if not counted and requests.abandoned_total is None:
+        return _untold(title, latest)
     if not latest.knows("requests.finished_total"):
         status = Status.INFO if requests.aborted_total else Status.OK
         return Check(section=SECTION, title=title, status=status,
                      evidence=f"{requests.aborted_total} aborted or failed since start; {latest.source} reports no "
                               "count of finished requests to compare them with",
                      remedy=f"needs {profile_of(latest).missing_metric('requests.finished_total')}")
-    aborted = (requests.aborted_total if latest.knows("requests.aborted_total") else 0) + abandoned
+    aborted = (requests.aborted_total if counted else 0) + abandoned
     ended = aborted + requests.finished_total
     share = f" ({aborted / ended:.1%})" if ended else ""
     uncounted = (f" ({abandoned} abandoned: a first token and no end, which {latest.source} does not count as an "
                  "abort)") if abandoned else ""
+    # No abort counter (vLLM's V0 engine): what is shown is the estimate alone, blind before the first token.
+    estimate = "" if counted else (f"; this {profile_of(latest).title} counts no aborts: only the abandoned requests "
+                                   "its histograms show are counted, not those given up before their first token")
     return Check(section=SECTION, title=title, status=Status.OK,
-                 evidence=f"{aborted} of {ended} ended requests{share}{uncounted} since start")
+                 evidence=f"{aborted} of {ended} ended requests{share}{uncounted} since start{estimate}")
+
+
+def _untold(title: str, latest: Snapshot) -> Check:
+    """No abort count and no estimate. Where the server counts finished requests and its kind could estimate the
+    abandoned ones from other counters (vLLM: its V0 engine counts no abort at all), the line says that this
+    server's counters cannot tell them, and what would; else (no finished count either) what it lacks."""
+    kind = profile_of(latest)
+    source = kind.metrics.get("requests.abandoned_total")
+    if source is None or not latest.knows("requests.finished_total"):
+        return unreported(title, latest, "aborted requests", "requests.aborted_total", SECTION)
+    return Check(section=SECTION, title=title, status=Status.SKIPPED,
+                 evidence=f"this {kind.title}'s counters cannot tell abandoned requests: it reports no aborts, and no "
+                          "plausible first-token and end-to-end counts to estimate them from",
+                 remedy=f"needs {kind.missing_metric('requests.aborted_total')}; or, to estimate them, "
+                        f"{' and '.join(source.names)}, from {source.provided_by}")
 
 
 def _percentiles(histogram: Histogram) -> str:

@@ -8,6 +8,7 @@ the rules' and doctor's remedies and the supervisor's config check all ask the r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvops.adapters.prometheus import Scrape
@@ -102,6 +103,34 @@ def detect(scrape: Scrape | None, models: dict[str, Any] | None = None) -> Engin
     return next((p for p in PROFILES.values() if any(word in owner for word in p.recognition.owned_by)), None)
 
 
+def metrics_paths(kind: str | None = None) -> tuple[str, ...]:
+    """Where a server's Prometheus text may be, in the order to try: its kind's paths; for a server not recognised
+    yet, `/metrics` and then every other path a kind serves it at."""
+    if kind is not None and kind in PROFILES:
+        return PROFILES[kind].metrics_paths
+    paths = ["/metrics"]
+    for found in PROFILES.values():
+        paths.extend(path for path in found.metrics_paths if path not in paths)
+    return tuple(paths)
+
+
+def first_scrape(get: Callable[[str], str | None], kind: str | None = None) -> tuple[str, Scrape] | None:
+    """The first of `metrics_paths(kind)` whose answer is Prometheus text with samples, and that path; else the first
+    answer there was (a server with no sample yet); None when no path answered. `get(path)` is the answer's text,
+    None for none (an error status, no connection). A JSON answer (trtllm-serve's `/metrics`) parses to no sample,
+    so the next path is tried."""
+    answered: tuple[str, Scrape] | None = None
+    for path in metrics_paths(kind):
+        text = get(path)
+        if text is None:
+            continue
+        scrape = Scrape.parse(text)
+        if scrape.names:
+            return path, scrape
+        answered = answered or (path, scrape)
+    return answered
+
+
 def model_card(models: dict[str, Any] | None) -> dict[str, Any]:
     """The first model of a `/v1/models` answer ({} when there is none)."""
     data = (models or {}).get("data") if isinstance(models, dict) else None
@@ -118,5 +147,5 @@ def snapshot_from_scrape(kind: str, scrape: Scrape, t: float, models: dict[str, 
 
 
 __all__ = ["AUTO", "ENABLE_METRICS", "MODULES", "PROFILES", "Capability", "EngineProfile", "Recognition", "Remedy",
-           "detect", "kinds", "managed_kinds", "managed_profile", "metrics_switches", "model_card", "profile",
-           "profile_of", "register", "snapshot_from_scrape", "unrecognised", "unregister"]
+           "detect", "first_scrape", "kinds", "managed_kinds", "managed_profile", "metrics_paths", "metrics_switches",
+           "model_card", "profile", "profile_of", "register", "snapshot_from_scrape", "unrecognised", "unregister"]

@@ -76,6 +76,9 @@ class EngineProfile:
     # is then what every device takes, for a snapshot that does not say which.
     block_sizes_by_device: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     notes: Mapping[str, str] = field(default_factory=dict)  # kind-specific wording doctor and rules quote
+    # Where its Prometheus text is served, tried in order: the first whose answer has samples is read (trtllm-serve
+    # answers `/metrics` with JSON iteration stats and serves the text at `/prometheus/metrics`).
+    metrics_paths: tuple[str, ...] = ("/metrics",)
 
     def can(self, capability: Capability) -> bool:
         return capability in self.capabilities

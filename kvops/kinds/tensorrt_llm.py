@@ -9,12 +9,20 @@ requests, context tokens of the iteration). Triton's own `nv_inference_request_s
 requests per model; only the TensorRT-LLM model's series are read (an ensemble's pre- and post-processing
 models count the same requests again). A Triton serving vLLM exports `vllm:` names, read as vLLM.
 
-`trtllm-serve` exports Prometheus text at `/prometheus/metrics` (its `/metrics` is JSON iteration stats). Its first
-release of it (PR #5785, July 2025) has unprefixed names labelled `engine_type` / `model_name`
-(`time_to_first_token_seconds`, `time_per_output_token_seconds`, `e2e_request_latency_seconds`,
-`request_queue_time_seconds`, `request_success_total`); later releases prefix them `trtllm_` and add KV
-(`trtllm_kv_cache_utilization`, `_max_blocks`, `_used_blocks`, `_tokens_per_block`, `_reused_blocks_total`,
-`_missed_blocks_total`), queue (`trtllm_num_requests_running` / `_waiting`) and token counters.
+`trtllm-serve` (the PyTorch backend's server) exports Prometheus text at `/prometheus/metrics` (its `/metrics` is
+JSON iteration stats; `metrics_paths` below lets a watcher find the text). Its first release of it (PR #5785,
+merged August 2025) has unprefixed names labelled `engine_type` / `model_name` (`time_to_first_token_seconds`,
+`time_per_output_token_seconds`, `e2e_request_latency_seconds`, `request_queue_time_seconds`,
+`request_success_total`); later releases prefix them `trtllm_` (tensorrt_llm/metrics/collector.py) and add, per
+the pull requests that did: KV usage and the hit rate (`trtllm_kv_cache_utilization`, `trtllm_kv_cache_hit_rate`,
+PR #11243, February 2026), the pool, queue and token counters (`trtllm_kv_cache_max_blocks`,
+`_tokens_per_block`, `trtllm_num_requests_running` / `_waiting`, `trtllm_max_num_active_requests`,
+`trtllm_prompt_tokens_total` / `trtllm_generation_tokens_total`, PR #12545, March 2026) and the reused and
+missed block counters (`trtllm_kv_cache_reused_blocks_total` / `_missed_blocks_total`, PR #12132, March 2026).
+
+Before either, a build of PR #5560 (June 2025, closed unmerged: no release has these names) served `pytrtllm:`
+names at `/metrics`: running and waiting requests, prompt and generation tokens, and requests started,
+completed, cancelled and failed; no KV, no latency. A published scrape of it exists, so it is read too.
 
 What neither reports: the KV dtype, bytes per token, device, preemptions (the `max_utilization` scheduler
 pauses requests; Triton's `paused_requests` is a gauge, not a count), swap, process metrics; Triton reports no
@@ -36,34 +44,49 @@ BLOCKS, REQUESTS = "nv_trt_llm_kv_cache_block_metrics", "nv_trt_llm_request_metr
 BLOCK_TYPE, REQUEST_TYPE = "kv_cache_block_type", "request_type"
 TRITON = "Triton's TensorRT-LLM backend (23.11 and later)"
 SERVE = "trtllm-serve (its /prometheus/metrics)"
-LATER_SERVE = "trtllm-serve releases after July 2025 (trtllm_ names)"
+KV_GAUGES = "trtllm-serve releases since PR #11243 (Feb 2026; trtllm_ names)"
+ITERATION = "trtllm-serve releases since PR #12545 (March 2026; trtllm_ names)"
+REUSE = "trtllm-serve releases since PR #12132 (March 2026), with enable_block_reuse"
+PY = "pytrtllm:"  # the names of PR #5560's build
+PYTRTLLM = "trtllm-serve built from PR #5560 (June 2025, never released)"
+PY_CANCELLED, PY_FAILED = f"{PY}request_cancelled_total", f"{PY}request_failed_total"
 METRICS = table(
     MetricSource("blocks.usage", (f'{BLOCKS}{{{BLOCK_TYPE}="used"}}', "trtllm_kv_cache_utilization"),
-                 f"{TRITON} (used over max blocks); {LATER_SERVE}"),
+                 f"{TRITON} (used over max blocks); {KV_GAUGES}"),
     MetricSource("engine.num_blocks", (f'{BLOCKS}{{{BLOCK_TYPE}="max"}}', "trtllm_kv_cache_max_blocks"),
-                 f"{TRITON}; {LATER_SERVE}"),
+                 f"{TRITON}; {ITERATION}"),
     MetricSource("engine.block_size", (f'{BLOCKS}{{{BLOCK_TYPE}="tokens_per"}}', "trtllm_kv_cache_tokens_per_block"),
-                 f"{TRITON}; {LATER_SERVE}"),
+                 f"{TRITON}; {ITERATION}"),
     MetricSource("engine.max_num_seqs", (f'{REQUESTS}{{{REQUEST_TYPE}="max"}}', "trtllm_max_num_active_requests"),
-                 f"{TRITON}; {LATER_SERVE}"),
+                 f"{TRITON}; {ITERATION}"),
     MetricSource("requests.running", (f'{REQUESTS}{{{REQUEST_TYPE}="active"}}', "trtllm_num_requests_running"),
-                 f"{TRITON}; {LATER_SERVE}"),
+                 f"{TRITON}; {ITERATION}"),
     MetricSource("requests.waiting", (f'{REQUESTS}{{{REQUEST_TYPE}="waiting"}}', "trtllm_num_requests_waiting"),
-                 f"Triton's TensorRT-LLM backend from 2025; {LATER_SERVE}"),
+                 f"Triton's TensorRT-LLM backend from 2025; {ITERATION}"),
     # Triton types its counters without `_total`; the Prometheus parser reads them with `_total` added.
     MetricSource("requests.finished_total", ("nv_inference_request_success_total", "trtllm_request_success_total",
                                              "request_success_total"),
                  f"Triton 23.12 and later (its base metrics); {SERVE}"),
     MetricSource("requests.aborted_total", ("nv_inference_request_failure_total",), "Triton 23.12 and later"),
-    MetricSource("requests.prompt_tokens_total", ("trtllm_prompt_tokens_total",), LATER_SERVE),
-    MetricSource("requests.generation_tokens_total", ("trtllm_generation_tokens_total",), LATER_SERVE),
-    MetricSource("prefix_cache.hits_total", ("trtllm_kv_cache_reused_blocks_total",),
-                 f"{LATER_SERVE}, with enable_block_reuse"),
+    MetricSource("requests.prompt_tokens_total", ("trtllm_prompt_tokens_total",), ITERATION),
+    MetricSource("requests.generation_tokens_total", ("trtllm_generation_tokens_total",), ITERATION),
+    MetricSource("prefix_cache.hits_total", ("trtllm_kv_cache_reused_blocks_total",), REUSE),
     MetricSource("prefix_cache.queries_total", ("trtllm_kv_cache_missed_blocks_total",),
-                 f"{LATER_SERVE}, with enable_block_reuse (reused plus missed blocks)"),
+                 f"{REUSE} (reused plus missed blocks)"),
+    # A rate without the counters behind it, before PR #12132 exported them.
+    MetricSource("prefix_cache.hit_rate", ("trtllm_kv_cache_hit_rate",), f"{KV_GAUGES}, with enable_block_reuse"),
     MetricSource("ttft", ("trtllm_time_to_first_token_seconds", "time_to_first_token_seconds"), SERVE),
     MetricSource("itl", ("trtllm_time_per_output_token_seconds", "time_per_output_token_seconds"), SERVE),
 )
+# PR #5560's build, read through its own names so that no remedy sends an operator to a build that was never released.
+PY_METRICS = {**METRICS, **table(
+    MetricSource("requests.running", (f"{PY}num_requests_running",), PYTRTLLM),
+    MetricSource("requests.waiting", (f"{PY}num_requests_waiting",), PYTRTLLM),
+    MetricSource("requests.finished_total", (f"{PY}request_completed_total",), PYTRTLLM),
+    MetricSource("requests.aborted_total", (PY_CANCELLED, PY_FAILED), PYTRTLLM),
+    MetricSource("requests.prompt_tokens_total", (f"{PY}prompt_tokens_total",), PYTRTLLM),
+    MetricSource("requests.generation_tokens_total", (f"{PY}generation_tokens_total",), PYTRTLLM),
+)}
 # trtllm-serve's first names carry no prefix: these mark its scrape (they match `_bucket`, `_sum`, `_count`).
 UNPREFIXED = ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds",
               "request_queue_time_seconds")
@@ -78,7 +101,7 @@ def snapshot_from_tensorrt_llm(scrape: Scrape, t: float, model_card: dict[str, A
                                started_at: float | None = None) -> Snapshot:
     triton = any(name.startswith("nv_trt_llm_") for name in scrape.names)
     data = common.neutral_for(KIND, scrape, t, model_card, REQUESTS if triton else _first_series(scrape))
-    read = Reader(scrape, data, METRICS)
+    read = Reader(scrape, data, PY_METRICS if any(name.startswith(PY) for name in scrape.names) else METRICS)
     if triton:
         _triton(read)
         if not (model_card or {}).get("id"):  # Triton names the model in its repository: `model="tensorrt_llm"`
@@ -102,7 +125,7 @@ def snapshot_from_tensorrt_llm(scrape: Scrape, t: float, model_card: dict[str, A
 
 def _first_series(scrape: Scrape) -> str:
     """A trtllm-serve series to take the model's name from (its `model_name` label; "undefined" in early ones)."""
-    return next((name for name in sorted(scrape.names) if name.startswith(("trtllm_", *UNPREFIXED))), "")
+    return next((name for name in sorted(scrape.names) if name.startswith(("trtllm_", PY, *UNPREFIXED))), "")
 
 
 def _typed(read: Reader, name: str, label: str, field: str, kind: str) -> float | None:
@@ -173,11 +196,14 @@ def _serve(read: Reader) -> None:
         data["engine"]["max_num_seqs"] = round(most)
     read.counts("requests.running", "requests.waiting", "requests.prompt_tokens_total",
                 "requests.generation_tokens_total")
-    name = next((n for n in METRICS["requests.finished_total"].names[1:] if scrape.has(n)), None)
+    name = next((n for n in read.sources["requests.finished_total"].names if not n.startswith("nv_") and scrape.has(n)),
+                None)
     by_reason = scrape.by_label(name, "finished_reason") if name else {}
     if name is None:
         read.unknown("requests.finished_total")
         read.unknown("requests.aborted_total")
+    elif name.startswith(PY):
+        _py_ended(read, name)
     else:
         read.note("requests.finished_total", name)
         requests["finished_total"] = round(sum(v for r, v in by_reason.items() if r not in UNFINISHED)
@@ -187,16 +213,31 @@ def _serve(read: Reader) -> None:
     _block_reuse(read)
 
 
+def _py_ended(read: Reader, completed: str) -> None:
+    """PR #5560's build counts the requests that ended apart: completed, cancelled and failed (its one scrape: 708
+    started = 707 completed + 1 running + 0 + 0), so completed ones are the finished ones."""
+    scrape, requests = read.scrape, read.data["requests"]
+    read.note("requests.finished_total", completed)
+    requests["finished_total"] = round(scrape.value(completed) or 0)
+    unfinished = [name for name in (PY_CANCELLED, PY_FAILED) if scrape.has(name)]
+    if unfinished:
+        read.note("requests.aborted_total", *unfinished)
+        requests["aborted_total"] = round(sum(scrape.value(name) or 0.0 for name in unfinished))
+    else:
+        read.unknown("requests.aborted_total")
+
+
 def _block_reuse(read: Reader) -> None:
-    """Prefix-cache hits in blocks: reused out of reused plus missed (with enable_block_reuse)."""
+    """Prefix-cache hits in blocks: reused out of reused plus missed (with enable_block_reuse); before those
+    counters, the hit rate gauge alone."""
     prefix = read.data["prefix_cache"]
     reused = read.value("prefix_cache.hits_total")
     missed = read.value("prefix_cache.queries_total")
     if reused is not None and missed is not None:
         prefix.update(queries_total=round(reused + missed), hits_total=round(reused),
                       hit_rate=common.ratio(reused, reused + missed))
-    else:
-        read.unknown("prefix_cache.hit_rate")
+    elif (rate := read.value("prefix_cache.hit_rate", mean=True)) is not None:
+        prefix["hit_rate"] = read.fraction("prefix_cache.hit_rate", "trtllm_kv_cache_hit_rate", rate)
     for field in ("prefix_cache.window_hit_rate", "prefix_cache.evictions_total", "prefix_cache.normalization",
                   "prefix_cache.shadow_hit_rate", "prefix_cache.potential_hit_rate"):
         read.unknown(field)
@@ -205,7 +246,7 @@ def _block_reuse(read: Reader) -> None:
 PROFILE = EngineProfile(
     kind=KIND,
     title="TensorRT-LLM",
-    recognition=Recognition(metric_prefixes=("nv_trt_llm_", "trtllm_", *UNPREFIXED), owned_by=("tensorrt_llm",)),
+    recognition=Recognition(metric_prefixes=("nv_trt_llm_", "trtllm_", PY, *UNPREFIXED), owned_by=("tensorrt_llm",)),
     read_scrape=snapshot_from_tensorrt_llm,
     metrics=METRICS,
     flags={"max_num_seqs": "max_batch_size", "max_num_batched_tokens": "max_num_tokens",
@@ -226,4 +267,6 @@ PROFILE = EngineProfile(
     capabilities=frozenset(),
     notes={"kv_pool_flag": "kv_cache_config free_gpu_memory_fraction (trtllm-serve), "
                             "kv_cache_free_gpu_mem_fraction (Triton)"},
+    # Triton and PR #5560's build serve the text at /metrics; trtllm-serve's /metrics is JSON iteration stats.
+    metrics_paths=("/metrics", "/prometheus/metrics"),
 )

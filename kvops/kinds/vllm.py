@@ -10,6 +10,11 @@ as deprecated aliases with the same values), and renames usage to `vllm:kv_cache
 every series with `engine` (one per data-parallel engine core) and counts aborted requests in
 `vllm:request_success_total{finished_reason="abort"}`.
 
+Neither counts a client's hang-up mid-stream as an abort (V0 counts no abort at all: an aborted request leaves
+the scheduler without being counted), but both observe such a request in the TTFT histogram and never in the
+end-to-end one: `requests.abandoned_total` estimates them from that gap (`_abandoned`). V0 observes TTFT again
+when a request preempted by recompute finishes its second prefill, so its preemptions are taken off as well.
+
 `vllm:cache_config_info` (labels `block_size`, `num_gpu_blocks`, `cache_dtype`, `enable_prefix_caching`,
 `kv_cache_memory_bytes`) gives the pool; `/v1/models` gives `max_model_len`. `kv_cache_memory_bytes` is the
 KV budget (`--kv-cache-memory-bytes`, or `VLLM_CPU_KVCACHE_SPACE` on CPU; "None" when a GPU server sizes it
@@ -30,6 +35,11 @@ from kvops.schema.snapshot import Snapshot
 KIND = "vllm"
 
 V1 = "the V1 engine (vLLM 0.8 and later)"
+TTFT = "vllm:time_to_first_token_seconds"
+E2E = "vllm:e2e_request_latency_seconds"  # observed once per request that ended, whatever its finish reason
+# A mean time to first token under this is not first tokens: vLLM 0.5.1 recorded 0 s for every one (vllm#6337), and
+# the V0 build of vllm#8115 a mean of 0.07 ms, with twice as many TTFTs as finished requests.
+TTFT_FLOOR_S = 0.001
 # Sampled block residency (kv_cache_metrics.py): a share of blocks (--kv-cache-metrics-sample, 1% by default) is
 # followed from allocation to eviction.
 RESIDENCY_FLAG = "recent vLLM (0.32 has them) started with --kv-cache-metrics"
@@ -49,6 +59,8 @@ METRICS = table(
     MetricSource("requests.finished_total", ("vllm:request_success_total",), "vLLM 0.4 and later"),
     MetricSource("requests.aborted_total", ("vllm:request_success_total",),
                  f'{V1}: vllm:request_success_total{{finished_reason="abort"}} (and "error")'),
+    MetricSource("requests.abandoned_total", (f"{TTFT}_count", f"{E2E}_count", "vllm:num_preemptions_total"),
+                 "vLLM 0.4 and later (both histograms; the V0 engine's preemption counter too)"),
     MetricSource("requests.preemptions_total", ("vllm:num_preemptions_total",), "vLLM 0.4 and later"),
     MetricSource("requests.prompt_tokens_total", ("vllm:prompt_tokens_total",), "every vLLM version"),
     MetricSource("requests.generation_tokens_total", ("vllm:generation_tokens_total",), "every vLLM version"),
@@ -64,8 +76,6 @@ METRICS = table(
 )
 CONFIG = "vllm:cache_config_info"
 UNFINISHED = ("abort", "error")  # finish reasons of requests that did not get their answer
-TTFT = "vllm:time_to_first_token_seconds"
-E2E = "vllm:e2e_request_latency_seconds"  # observed once per request that ended, whatever its finish reason
 
 
 def first_present(scrape: Scrape, field: str) -> str | None:
@@ -163,29 +173,44 @@ def _requests(read: Reader) -> None:
     else:
         requests["finished_total"] = round(sum(v for reason, v in by_reason.items() if reason not in UNFINISHED)
                                            if by_reason else read.scrape.value(name) or 0)
+    unknown = set(read.data["unknown"])
+    live = None if {"requests.running", "requests.waiting"} & unknown else (
+        requests.get("running", 0) + requests.get("waiting", 0))
     if "abort" in by_reason:
-        # The V1 engine (measured on 0.32): it counts aborts, but not a client's hang-up as one. V0 counts no
-        # abort at all, and its hang-ups were never measured here: it gets no estimate.
-        live = None if {"requests.running", "requests.waiting"} & set(read.data["unknown"]) else (
-            requests.get("running", 0) + requests.get("waiting", 0))
-        requests["abandoned_total"] = _abandoned(read.scrape, live)
+        # The V1 engine (measured on 0.32): it counts aborts, but not a client's hang-up as one.
+        requests["abandoned_total"] = _abandoned(read, live)
         read.note("requests.aborted_total", *(f'{name}{{finished_reason="{r}"}}' for r in UNFINISHED if r in by_reason))
         requests["aborted_total"] = round(sum(by_reason.get(reason, 0.0) for reason in UNFINISHED))
     else:
+        # The V0 engine: no abort counted at all. Its swapped requests are live too; its recompute preemptions each
+        # observe a TTFT again (a second prefill), and a swapped one was preempted, so all preemptions are taken off.
         read.unknown("requests.aborted_total")
+        swapped = read.scrape.value("vllm:num_requests_swapped") or 0.0
+        preempted = None if "requests.preemptions_total" in unknown else requests.get("preemptions_total", 0)
+        requests["abandoned_total"] = (None if live is None or preempted is None else
+                                       _abandoned(read, round(live + swapped), preempted, "vllm:num_preemptions_total"))
+    if requests["abandoned_total"] is None:
+        read.unknown("requests.abandoned_total")
 
 
-def _abandoned(scrape: Scrape, live: int | None) -> int | None:
+def _abandoned(read: Reader, live: int | None, prefilled_again: int = 0, *also_read: str) -> int | None:
     """Requests that got a first token and never ended: vLLM (0.32 measured) counts neither an abort nor an end
     when a client hangs up mid-stream, so its TTFT histogram counts them and its end-to-end one does not. The
     live requests may have their first token and not their end yet (running ones, and preempted ones waiting
-    again): all of them are taken off, an upper bound, so the estimate errs low. None without both histograms
-    or the live counts."""
-    first = scrape.value(f"{TTFT}_count")
-    ended = scrape.value(f"{E2E}_count")
+    again): all of them are taken off, an upper bound, so the estimate errs low; so are TTFTs observed a second
+    time (`prefilled_again`). None without both histograms or the live counts, or with a TTFT histogram whose
+    mean is no first-token time (a data problem)."""
+    scrape = read.scrape
+    first, ended = scrape.value(f"{TTFT}_count"), scrape.value(f"{E2E}_count")
     if first is None or ended is None or live is None:
         return None
-    return max(0, round(first - ended) - live)
+    total = scrape.value(f"{TTFT}_sum")
+    if first and total is not None and total / first < TTFT_FLOOR_S:
+        read.problem(f"{TTFT}: a mean of {total / first * 1000:.3g} ms over {first:g} first tokens, which no server "
+                     "takes: its observations are not first-token times, and abandoned requests are not estimated")
+        return None
+    read.note("requests.abandoned_total", f"{TTFT}_count", f"{E2E}_count", *also_read)
+    return max(0, round(first - ended) - live - prefilled_again)
 
 
 def _prefix_cache(read: Reader) -> None:

@@ -5,7 +5,8 @@ Over the window (counter deltas), the share of aborted requests among those that
 i.e. requests queue (see the queueing and latency_slo lines), or because the answers are too slow to stream.
 Where the server counts aborts (`requests.aborted_total` known), and where it does not count a client's hang-up
 but its counters show it (`requests.abandoned_total`: vLLM's requests with a first token and no end, read by
-kvops.kinds.vllm): abandoned requests are aborted ones the server did not count, and are named apart.
+kvops.kinds.vllm): abandoned requests are aborted ones the server did not count, and are named apart. vLLM's V0
+engine counts no abort at all: there the estimate is all there is, and the summary says what it cannot see.
 """
 
 from __future__ import annotations
@@ -54,7 +55,10 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
         return []
     severity = Severity.CRITICAL if share >= settings.critical_share else Severity.WARNING
     uncounted = (f" ({abandoned:.0f} of them abandoned: a first token and no end, which {latest.source} does "
-                 "not count as an abort)") if abandoned else ""
+                 "not count as an abort)") if abandoned and counted else ""
+    if not counted:  # vLLM's V0 engine: no abort counter, the estimate alone, blind before the first token
+        uncounted = (f" (all abandoned: a first token and no end; {latest.source} counts no aborts, so requests "
+                     "given up before their first token are not seen)")
     summary = (f"{aborted:.0f} of {ended:.0f} requests that ended in the last {span:.0f} s were aborted "
                f"({share:.0%}){uncounted}: clients time out or disconnect, usually because requests queue or the "
                f"first token is slow; check the queueing and latency lines")
