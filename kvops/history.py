@@ -1,8 +1,9 @@
 """What the supervisor remembers about one engine: the raw material of every rule.
 
 Snapshots are kept at full rate for the recent past and downsampled (one per bucket) after
-that, so a day of history costs a bounded amount of memory. Health checks, engine exits and the
-on-demand profiles sit beside them. Rules read an `EngineHistory` and never change it.
+that, so a day of history costs a bounded amount of memory. Health checks, engine exits, the
+on-demand profiles and the exits of the gateway kvops runs in front of the engine sit beside them.
+Rules read an `EngineHistory` and never change it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,31 @@ class HealthSample:
     error: str = ""  # why the check failed
 
 
+# What `kvops gateway` exits with when it refuses its configuration (kvops.cli: a ConfigError, a bad flag): its
+# manager does not start it again, and gateway_down says to fix the configuration.
+GATEWAY_CONFIG_ERROR_EXIT = 2
+
+
+@dataclass
+class GatewayRecord:
+    """The `kvops gateway` kvops runs in front of the engine, as its manager (kvops.supervisor.managed_gateway)
+    records it: how it exited, whether it is being started again. Beside the engine's own exits because a gateway
+    that is down leaves the engine answering kvops while its clients get "connection refused"."""
+
+    log: str  # its output file (gateway-<engine>.log): where the reason for an exit is written
+    exits: deque[EngineExit] = field(default_factory=lambda: deque(maxlen=100))  # stderr_tail: its log's last lines
+    stopped: str = ""  # why its manager stopped starting it again ("" while it runs or a restart is due)
+    down_since: float | None = None  # unix s of the exit it has not been started again since
+
+    def record_exit(self, event: EngineExit) -> None:
+        self.exits.append(event)
+        if self.down_since is None:
+            self.down_since = event.t
+
+    def exits_within(self, seconds: float, now: float) -> list[EngineExit]:
+        return [e for e in self.exits if e.t >= now - seconds]
+
+
 @dataclass
 class EngineHistory:
     engine: str
@@ -45,6 +71,7 @@ class EngineHistory:
     exits: deque[EngineExit] = field(default_factory=lambda: deque(maxlen=100))
     restarts_total: int = 0
     crash_loop: bool = False  # set by the engine manager when it stopped restarting
+    gateway: GatewayRecord | None = None  # the gateway kvops runs in front of it, if it runs one
     kv_profile: KVQuantProfile | None = None
     block_size_profile: BlockSizeProfile | None = None
     # The kept snapshots and their times, oldest first, built once per change: the rules cut ~30 windows out of

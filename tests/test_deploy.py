@@ -26,7 +26,10 @@ MANAGED = DEPLOY / "kubernetes" / "vllm-managed-by-kvops.yaml"
 DOCKERFILE = DEPLOY / "docker" / "Dockerfile.vllm-kvops"
 PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
 VLLM_PYTHON = venv_python(default_venv_dir())
-POD_ENV = {"POD_IP": "10.1.2.3", "KVOPS_ADMIN_TOKEN": "t", "GATEWAY_API_KEYS": "team-a=key-a,team-b=key-b"}
+# The gateway's keys as the Secret would hold them: at least 16 characters each, or the gateway would refuse them
+# (and `kvops run --check-config` does first).
+POD_ENV = {"POD_IP": "10.1.2.3", "KVOPS_ADMIN_TOKEN": "t",
+           "GATEWAY_API_KEYS": "team-a=team-a-key-0123456789,team-b=team-b-key-0123456789"}
 
 
 def _documents(path: Path) -> dict[str, dict[str, Any]]:

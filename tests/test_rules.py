@@ -60,7 +60,8 @@ def test_registry_lists_every_rule_with_stable_ids() -> None:
     assert set(RULES) == {
         "kv_oom_start", "kv_oom_runtime", "block_size_mismatch", "tenant_pollution", "prompt_variance", "salt_split",
         "prefix_caching_off", "swap_storm", "kv_quant_error", "host_bound", "engine_down", "crash_loop",
-        "queueing", "no_prefix_hits", "aborted_requests", "latency_slo", "prefix_cache_thrash", "low_hit_cause",
+        "gateway_down", "queueing", "no_prefix_hits", "aborted_requests", "latency_slo", "prefix_cache_thrash",
+        "low_hit_cause",
     }
     for rule_id, rule in RULES.items():
         assert rule.id == rule_id and re.fullmatch(r"[a-z][a-z0-9_]*", rule_id)

@@ -29,6 +29,7 @@ from kvops.rules import (
     block_size_mismatch,
     crash_loop,
     engine_down,
+    gateway_down,
     host_bound,
     kv_oom_runtime,
     kv_oom_start,
@@ -70,6 +71,7 @@ def _rule(module: ModuleType) -> Rule[Any]:
 _MODULES = (
     engine_down,
     crash_loop,
+    gateway_down,
     kv_oom_start,
     kv_oom_runtime,
     swap_storm,

@@ -32,6 +32,11 @@ class GatewayLink(BaseModel):
     starts: int = 0  # a managed gateway's starts (restarts after an exit included)
     last_exit: str = ""  # how a managed gateway last exited
     admin: bool = False  # kvops knows its admin token: fixes can go through it
+    exits: int = 0  # a managed gateway's exits since the supervisor started
+    stopped: str = ""  # why kvops stopped starting a managed gateway again ("" while it runs or a restart is due)
+    restart_at: float | None = None  # when a restart is due, after an exit
+    last_lines: list[str] = []  # the last lines of its log before its last exit (the reason is usually there)
+    log: str = ""  # a managed gateway's output file (gateway-<engine>.log in the state dir)
 
 
 class EngineEntry(BaseModel):

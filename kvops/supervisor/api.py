@@ -3,7 +3,8 @@
 GET  /health                                  the supervisor itself
 GET  /metrics                                 Prometheus exposition (kvops.supervisor.exporter)
 GET  /api/engines                             every engine: url, managed, up, pid, restarts, crash loop, last error,
-                                              and its KV cache event stream's health (`events`) where kvops reads one
+                                              its KV cache event stream's health (`events`) where kvops reads one,
+                                              and its gateway (`gateway`: a managed one's exits, why it is stopped)
 GET  /api/engines/{name}/snapshot             the latest snapshot
 GET  /api/engines/{name}/history?seconds=60   snapshots of the last N seconds
 GET  /api/engines/{name}/logs?lines=100       the managed engine's latest log lines ([] for a watched one)
@@ -22,7 +23,8 @@ POST /api/fixes/apply                         {"engine", "rule", "subject"}: que
 POST /api/fixes/{id}/revert                   undo a fix (any of its audit ids) verifying or kept (admin token);
                                               503 when the engine is unreachable: kvops retries the undo itself;
                                               409 on a standby
-POST /api/engines/{name}/resume               restart a managed engine stopped in a crash loop (admin token)
+POST /api/engines/{name}/resume               restart a managed engine stopped in a crash loop, and the gateway
+                                              kvops runs in front of it once stopped (admin token)
 GET  /api/fix-lease                           high availability: this supervisor's role (holder, standby, or alone
                                               without a lease), the lease's holder and its URL
 GET  /api/engines/{name}/profiles             the latest block-size and KV quantization profiles, and which runs now
@@ -282,10 +284,15 @@ def _add_control_routes(app: FastAPI, sup: Supervisor) -> None:
     def resume(name: str, authorization: str | None = Header(default=None)) -> JSONResponse:
         require_admin(sup, authorization)
         state = engine_named(sup, name)
-        if state.managed is None:
-            raise Refusal(409, f"engine {name!r} is watched, not managed: kvops cannot restart it")
-        state.managed.resume_after_crash_loop()
-        return JSONResponse({"resumed": name})
+        gateway = state.gateway if state.gateway is not None and state.gateway.managed else None
+        if state.managed is None and gateway is None:
+            raise Refusal(409, f"engine {name!r} is watched, not managed, and kvops runs no gateway in front of it: "
+                               "kvops cannot restart it")
+        if state.managed is not None:
+            state.managed.resume_after_crash_loop()
+        # The gateway too, when kvops stopped starting it (its configuration refused, or a crash loop).
+        resumed = gateway is not None and gateway.resume()
+        return JSONResponse({"resumed": name, **({"gateway": True} if resumed else {})})
 
     @app.get("/api/engines/{name}/profiles")
     async def profiles(name: str) -> dict[str, Any]:

@@ -78,6 +78,9 @@ class GatewaySpec(StrictModel):
     upstream_api_key_env: str | None = None
     upstream_kind: Literal["auto", "vllm", "kvops", "openai"] = "auto"
     args: dict[str, Any] = Field(default_factory=dict)  # any other `kvops gateway` flag, snake_case
+    # A managed gateway that exits is started again with this backoff, and not again once it exits
+    # crash_loop_exits times within crash_loop_window_s (an exit with code 2, a configuration error, stops it at once).
+    restart: RestartPolicy = Field(default_factory=lambda: RestartPolicy(max_backoff_s=30.0))
 
     @property
     def managed(self) -> bool:
@@ -115,7 +118,7 @@ class GatewaySpec(StrictModel):
     @model_validator(mode="after")
     def _external_or_managed(self) -> GatewaySpec:
         started = [name for name in ("api_keys_file", "api_keys_env", "policy_file", "upstream_api_key_env",
-                                     "listen", "upstream_kind", "args") if name in self.model_fields_set]
+                                     "listen", "upstream_kind", "args", "restart") if name in self.model_fields_set]
         if self.url is not None and started:
             raise ValueError(f"{', '.join(started)}: these configure a gateway kvops starts; with url kvops starts "
                              "none (give them to that gateway's own command)")

@@ -46,6 +46,22 @@ def check_managed_engines(config: KvopsConfig, source: str, flags: bool) -> None
             raise ConfigError(f"{source}: engines[{index}] ({spec.name}): {exc}") from None
 
 
+def check_gateways(config: KvopsConfig, source: str) -> None:
+    """Each gateway kvops would start: its key file, policy file, variables and flags, as the gateway checks them
+    (kvops.supervisor.gateway_preflight). ConfigError (one line, exit 2) naming the engine and what to do, so a
+    gateway that would refuse to start is refused here, before anything starts."""
+    from kvops.schema.errors import ConfigError
+    from kvops.supervisor.gateway_preflight import UPSTREAM_PLACEHOLDER, check_gateway
+
+    for index, spec in enumerate(config.engines):
+        if spec.gateway is None:
+            continue
+        try:
+            check_gateway(spec.gateway, spec.url or UPSTREAM_PLACEHOLDER)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: engines[{index}] ({spec.name}): gateway: {exc}") from None
+
+
 def warn_disabled_receivers(config: KvopsConfig, source: str) -> list[str]:
     """The receivers a missing secret disables, one warning line each on stderr: the same lines from `kvops run`
     and from `kvops run --check-config` (kvops.alerting.receiver_problems decides for both). Their names."""
@@ -61,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     source = args.config or "config"
     check_managed_engines(config, source, flags=args.check_config)
+    check_gateways(config, source)
     disabled = warn_disabled_receivers(config, source)
     if args.check_config:
         engines = ", ".join(f"{e.name} ({'managed' if e.managed else e.url})" for e in config.engines)

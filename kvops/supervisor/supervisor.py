@@ -119,7 +119,7 @@ class Supervisor:
                 # Any server: kvops engines through /stats, the other kinds through /metrics (kvops.kinds).
                 state = EngineState(spec, history, WatchedEngineClient(str(spec.url), spec.kind, token), probes)
             if spec.gateway is not None:
-                state.gateway = GatewayHandle(spec.name, spec.gateway, state_dir)
+                state.gateway = GatewayHandle(spec.name, spec.gateway, state_dir, clock=clock, history=history)
                 state.gateway_admin = GatewayAdmin(state.gateway.url, state.gateway.admin_token)
             self.engines[spec.name] = state
         self.event_feeds = EventFeeds({name: found for name, state in self.engines.items()
@@ -344,8 +344,7 @@ class Supervisor:
         handle = self.engines[name].gateway
         if link is None or handle is None:
             return link
-        return link.model_copy(update={"managed": handle.managed, "pid": handle.pid, "starts": handle.starts,
-                                       "last_exit": handle.last_exit, "admin": handle.admin_token is not None})
+        return link.model_copy(update=handle.view())
 
     # --------------------------------------------------------------- probes
 

@@ -1,5 +1,7 @@
 """The engines panel: every engine the supervisor watches, and below the table the highlighted
-engine's settings, or, while it has no snapshot, what it is waiting for (with a spinner)."""
+engine's settings, or, while it has no snapshot, what it is waiting for (with a spinner). An engine
+whose clients reach it through a gateway kvops runs is only as healthy as that gateway: while it is
+down the row says so, in red, with the reason below."""
 
 from __future__ import annotations
 
@@ -16,6 +18,23 @@ from kvops.top.render import capacity, fmt_duration, fmt_pct, health
 from kvops.top.widgets.common import Detail, Readout, TablePanel
 
 SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
+GATEWAY_DOWN = "GATEWAY DOWN"
+
+
+def gateway_down(view: EngineView) -> str:
+    """Why the gateway kvops runs in front of the engine is not running ("" while it runs, or kvops runs none)."""
+    link = view.entry.gateway
+    if link is None or not link.managed or link.pid is not None or link.starts == 0:
+        return ""
+    how = link.stopped or (f"{link.last_exit}; restarting" if link.last_exit else "not running")
+    last = f": {link.last_lines[-1]}" if link.last_lines else ""
+    return f"gateway {how}{last}"
+
+
+def row_health(view: EngineView) -> str:
+    """The health column: the engine's, unless it is up and its gateway is not (its clients see the gateway)."""
+    h = health(view)
+    return GATEWAY_DOWN if h in ("up", "starting") and gateway_down(view) else h
 
 
 class EnginesPanel(TablePanel):
@@ -50,7 +69,7 @@ class EnginesPanel(TablePanel):
         self.state, self.selected = state, selected
         rows = []
         for view in state.engines:
-            h = health(view)
+            h = row_health(view)
             style = "green" if h == "up" else "yellow" if h == "starting" else "bold red"
             model = view.latest.engine.model if view.latest else "-"
             rows.append((view.entry.name, (view.entry.name, Text(h, style=style), model, str(view.entry.restarts))))
@@ -87,9 +106,16 @@ class EnginesPanel(TablePanel):
             return
         # Seven rows of about 38 columns (top.tcss) and capacity takes two: restarts and the request counts share
         # rows so the GPU line, last, still shows.
+        gateway = view.entry.gateway
+        # The block-size row gives way to the gateway's exit, which matters more (the clients cannot reach the engine);
+        # the row is 38 columns, so the reason itself is in the detail.
+        settings = (f"[bold red]gateway {escape(gateway.last_exit or 'down')}[/bold red]: enter says why"
+                    if gateway is not None and gateway_down(view) else
+                    f"block size {s.engine.block_size}  KV dtype {s.engine.kv_cache_dtype}")
+        e = view.entry
         info.show(
-            f"[b]{view.entry.name}[/b] {health(view)}  pid {view.entry.pid or '-'}  restarts {view.entry.restarts}\n"
-            f"model {s.engine.model}\nblock size {s.engine.block_size}  KV dtype {s.engine.kv_cache_dtype}\n"
+            f"[b]{e.name}[/b] {row_health(view)}  pid {e.pid or '-'}  restarts {e.restarts}\n"
+            f"model {s.engine.model}\n{settings}\n"
             f"capacity {capacity(s)}\n"
             f"uptime {fmt_duration(s.uptime_s)}  running {s.requests.running}  waiting {s.requests.waiting}\n"
             f"{gpu_compact(s.process)}")
@@ -99,6 +125,8 @@ class EnginesPanel(TablePanel):
         e = view.entry
         now = time.time()
         text = Text()
+        if down := gateway_down(view):
+            text.append(f"{down}\n", style="bold red")
         if e.crash_loop:
             text.append(f"{e.name}: CRASH LOOP, not restarting\n", style="bold red")
             text.append(f"{e.last_error or ''}\nPOST /api/engines/{e.name}/resume restarts it")
@@ -163,10 +191,14 @@ def gpu_summary(process: ProcessStats) -> str:
 def engine_detail(view: EngineView) -> Text:
     e = view.entry
     text = Text()
-    text.append(f"health {health(view)}  url {e.url}  pid {e.pid or '-'}  restarts {e.restarts}  "
+    text.append(f"health {row_health(view)}  url {e.url}  pid {e.pid or '-'}  restarts {e.restarts}  "
                 f"{'managed' if e.managed else 'watched'}\n")
     if e.last_error:
         text.append(f"last error: {e.last_error}\n", style="red")
+    if gateway_down(view) and e.gateway is not None:
+        text.append(f"{gateway_down(view)}\n", style="bold red")
+        text.append("".join(f"  {line}\n" for line in e.gateway.last_lines), style="dim")
+        text.append(f"its log: {e.gateway.log}; POST /api/engines/{e.name}/resume starts it again once fixed\n")
     s = view.latest
     if s is not None:
         text.append(f"model {s.engine.model}  device {s.engine.device}  dtype {s.engine.dtype}\n"
