@@ -30,6 +30,7 @@ from kvops.top.render import histogram_lines, render_json, render_once, series
 from kvops.top.screens import ConfirmScreen, DetailScreen
 from kvops.top.widgets.audit import collapse
 from kvops.top.widgets.common import Readout
+from kvops.top.widgets.log import LogPanel
 from tests.helpers.fake_supervisor import FakeSupervisor
 from tests.helpers.synthetic import T0, on_gpu, snapshot
 
@@ -321,6 +322,49 @@ def test_log_panel_follows_the_selected_engine() -> None:
         app.action_refresh()
         await settle(pilot)
         assert len(fake.log_requests) == requests  # hidden: not fetched
+
+    run_app(body)
+
+
+def test_the_log_filter_shows_only_the_lines_with_its_text_and_level() -> None:
+    def log_text(app: KvopsTop) -> str:
+        return str(app.query_one("#log", Readout).render())
+
+    async def body(pilot: Any, app: KvopsTop, fake: FakeSupervisor) -> None:
+        panel = app.query_one(LogPanel)
+        assert panel.border_title == "log: gpu-a (l hides)"
+        await pilot.press("backslash", *"PREEMPTED")  # any case
+        assert app.query_one("#log-filter", Input).has_focus
+        shown = log_text(app)
+        assert "gpu-a: preempted 2 sequences" in shown and "engine started" not in shown and "failed" not in shown
+        await pilot.press("enter")
+        assert not app.query_one("#log-filter", Input).has_focus and app.focused.id == "engines"
+        assert panel.border_title == "log: gpu-a (filter: PREEMPTED; l hides)"
+        assert panel.lines_wanted == 500  # a filter searches the supervisor's whole tail
+        await pilot.press("backslash", "x")
+        assert log_text(app) == "none of the last 3 lines passes the filter"
+        await pilot.press(*["backspace"] * 10, "escape")  # empty: no text filter
+        assert "engine started" in log_text(app) and panel.border_title == "log: gpu-a (l hides)"
+        await pilot.press("w")  # warnings and up
+        shown = log_text(app)
+        assert "preempted" in shown and "request failed" in shown and "engine started" not in shown
+        assert panel.border_title == "log: gpu-a (warnings and up; l hides)"
+        await pilot.press("w")  # errors and up
+        assert "request failed" in log_text(app) and "preempted" not in log_text(app)
+        await pilot.press("w")  # all again
+        assert "engine started" in log_text(app) and panel.border_title == "log: gpu-a (l hides)"
+
+    run_app(body)
+
+
+def test_the_log_filter_keys_show_a_hidden_log() -> None:
+    async def body(pilot: Any, app: KvopsTop, fake: FakeSupervisor) -> None:
+        await pilot.press("l")
+        assert not app.query_one("#log-panel").display
+        await pilot.press("w")
+        await settle(pilot)
+        assert app.query_one("#log-panel").display and "engine started" not in str(
+            app.query_one("#log", Readout).render())
 
     run_app(body)
 

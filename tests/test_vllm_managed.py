@@ -11,6 +11,7 @@ model is missing.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -27,7 +28,9 @@ from kvops.history import EngineHistory
 from kvops.schema.diagnosis import Diagnosis, Fix, FixKind, Objective, Severity
 from kvops.schema.errors import ConfigError
 from kvops.supervisor.config import KvopsConfig, parse_config
+from kvops.supervisor.launchers import launcher_for
 from kvops.supervisor.managed_engine import ManagedEngine
+from kvops.supervisor.own_polls import access_line
 from kvops.vllm.flags import FIX_SETTINGS, InstalledFlags, args_for_fix, cli_flags, server_settings
 from kvops.vllm.install import default_venv_dir, venv_python
 from kvops.vllm.launch import server_argv, server_env
@@ -91,6 +94,42 @@ def test_installed_flags_name_the_closest_ones():
     assert flags.problem({"blok_size": 32}) == "args.blok_size: vLLM 0.32.0 has no flag --blok-size; closest: " \
                                                "--block-size"
     assert "is a switch without a --no-enforce-eager form" in flags.problem({"enforce_eager": False})
+
+
+FLAGS_OF = """\
+#!{python}
+# A stand-in for a vLLM interpreter answering kvops.vllm.flags' two questions: where vLLM is, and its flags.
+import json, sys
+code = sys.argv[-1]
+if "find_spec" in code:
+    print("KVOPS_VLLM_FLAGS " + json.dumps(["/opt/vllm/vllm/__init__.py", 1.0]))
+else:
+    print("KVOPS_VLLM_FLAGS " + json.dumps({{"version": "0.32.0", "flags": {flags}}}))
+"""
+ENDPOINTS_FLAG = "--disable-access-log-for-endpoints"
+WHOLE_FLAG = "--disable-uvicorn-access-log"
+
+
+@pytest.mark.parametrize(("flags", "args", "endpoints"), [
+    ([ENDPOINTS_FLAG, WHOLE_FLAG], {}, "/health,/metrics"),  # vLLM 0.32: kvops's polls out, clients' requests in
+    ([WHOLE_FLAG], {}, None),  # a vLLM without the flag: none added (the forwarder drops the lines)
+    ([], {}, None),
+    ([ENDPOINTS_FLAG], {"disable_access_log_for_endpoints": "/ping"}, "/ping"),  # the user's own setting wins
+    ([ENDPOINTS_FLAG, WHOLE_FLAG], {"disable_uvicorn_access_log": True}, None),  # so does the whole log off
+])
+def test_a_managed_vllm_keeps_kvops_polls_out_of_its_access_log_where_it_has_the_flag(tmp_path, monkeypatch, flags,
+                                                                                       args, endpoints):
+    monkeypatch.setenv("KVOPS_CACHE_DIR", str(tmp_path / "cache"))  # the flags are cached per installation
+    fake = tmp_path / "python"
+    fake.write_text(FLAGS_OF.format(python=sys.executable, flags=json.dumps(flags)))
+    fake.chmod(0o755)
+    spec = parse_config({"engines": [{"name": "v", "kind": "vllm", "python": str(fake), "events": False,
+                                      "args": {"model": "org/model", **args}}]}, "test").engines[0]
+    argv = launcher_for(spec.kind, spec.start()).launch(spec.host, 8123, spec.args, spec.drain_timeout_s, "").argv
+    assert argv.count(ENDPOINTS_FLAG) == (endpoints is not None)
+    if endpoints is not None:
+        assert argv[argv.index(ENDPOINTS_FLAG) + 1] == endpoints
+    assert (WHOLE_FLAG in argv) is bool(args.get("disable_uvicorn_access_log"))
 
 
 # ------------------------------------------------------------------ lifecycle with a fake vLLM
@@ -272,6 +311,12 @@ def served(shared_vllm: Served) -> Served:
     return shared_vllm
 
 
+def _requests_logged(served: Served) -> list[tuple[str, str]]:
+    """The requests in the managed vLLM's log (its access-log lines), as (method, path)."""
+    logs = served.api.get("/api/engines/vllm/logs?lines=500").json()
+    return [(a.method, a.path) for line in logs if (a := access_line(line["text"]))]
+
+
 @pytest.mark.vllm
 @real
 def test_real_vllm_killed_is_restarted(served):
@@ -280,6 +325,14 @@ def test_real_vllm_killed_is_restarted(served):
     assert before["kind"] == "vllm" and before["args"]["block_size"] == 128
     restarts = before["events"]["publisher_restarts_total"]
     assert served.api.get("/api/engines/vllm/snapshot").json()["engine"]["block_size"] == 128  # via the adapter
+    # The engine log has a client's request and none of the supervisor's polls of /metrics (two a second): vLLM 0.32
+    # is started with --disable-access-log-for-endpoints.
+    assert "--disable-access-log-for-endpoints /health,/metrics" in " ".join(psutil.Process(pid).cmdline())
+    body = {"model": "smollm2", "prompt": list(range(2000, 2000 + 300)), "max_tokens": 1}
+    httpx.post(f"{before['url']}/v1/completions", json=body, timeout=120).raise_for_status()
+    wait_for("the client's request in the engine log",
+             lambda: ("POST", "/v1/completions") in _requests_logged(served), 10)
+    assert ("GET", "/metrics") not in _requests_logged(served), _requests_logged(served)
     killed = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     wait_for("vLLM restarted after kill -9",
@@ -298,6 +351,7 @@ def test_real_vllm_killed_is_restarted(served):
     httpx.post(f"{url}/v1/completions", json=body, timeout=120).raise_for_status()
     events = wait_for("the new publisher's first batch", lambda: (e := served.engine()["events"])[
         "publisher_restarts_total"] > restarts and not e["stale"] and e, 30)
+    assert ("GET", "/metrics") not in _requests_logged(served), _requests_logged(served)  # the new process's too
     assert events["dropped_batches_total"] == 0 and not events["error"], events
     resident = served.api.get("/api/engines/vllm/snapshot").json()["kv_events"]["resident"]
     assert resident == {"GPU": 2}, resident  # the 300-token prompt's two full blocks, nothing from before the kill

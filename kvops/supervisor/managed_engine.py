@@ -1,6 +1,7 @@
 """A managed engine: `kvops engine serve` or vLLM's server as a child process, kept alive.
 
-The manager starts the engine, waits for `/health`, forwards its log lines, and when it exits
+The manager starts the engine, waits for `/health`, forwards its log lines (each with its level; the access-log
+lines of the supervisor's own polls left out, kvops.supervisor.own_polls), and when it exits
 records how (exit code, signal, the last lines of its output) and restarts it with capped
 exponential backoff. Too many exits in a window is a crash loop: it stops restarting and says
 so, rather than spinning. The child dies with the supervisor (PR_SET_PDEATHSIG on Linux), so a
@@ -29,11 +30,13 @@ import structlog
 from kvops.adapters.engine_client import EngineClient, EngineUnreachable
 from kvops.events.endpoint import EventSource
 from kvops.history import EngineHistory
+from kvops.logs import LineLevels, level_name
 from kvops.processes import die_with_parent, reserve_port, start_in_own_session
 from kvops.schema.engines import EngineExit, LogLine
 from kvops.schema.errors import ConfigError
 from kvops.supervisor.engine_spec import EngineSpec
 from kvops.supervisor.launchers import client_for, launcher_for
+from kvops.supervisor.own_polls import OWN_POLL_PATHS, OwnPolls
 
 log = structlog.get_logger("kvops.supervisor.engine")
 
@@ -60,6 +63,8 @@ class ManagedEngine:
         self.started_at = 0.0
         self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
         self.log_tail: deque[LogLine] = deque(maxlen=LOG_TAIL_LINES)
+        self.own_polls = OwnPolls(self.port)  # counts the access-log lines of our polls it left out
+        self._polls_noted = False  # whether this start's log says that they are left out
         self.backoff_s = spec.restart.initial_backoff_s
         self.next_start_at: float | None = None  # when a restart is due
         self.stopping = False
@@ -108,6 +113,7 @@ class ManagedEngine:
             launch = self.launcher.launch(self.spec.host, self.port, self.args, self.spec.drain_timeout_s,
                                           self.admin_token)
             self.stderr_tail.clear()
+            self._polls_noted = False
             # Forked from one long-lived thread: PR_SET_PDEATHSIG fires when the *thread* that forked the child
             # ends, and fix jobs (re)start engines from worker threads that come and go.
             self.process = self._spawner.submit(
@@ -130,12 +136,17 @@ class ManagedEngine:
             reader.join(timeout=timeout_s)
 
     def _forward(self, stream: IO[bytes] | None, name: str) -> None:
-        """Engine log lines into the supervisor's log (JSON lines are re-emitted field by field)."""
+        """Engine log lines into the supervisor's log, each with its level (JSON lines are re-emitted field by
+        field); the access-log lines of the supervisor's own polls are left out, and counted."""
         if stream is None:
             return
+        levels = LineLevels()  # this stream's: a traceback's lines are errors up to its last
         for raw in iter(stream.readline, b""):
             line = raw.decode(errors="replace").rstrip()
             if not line:
+                continue
+            if self.own_polls.is_own_poll(line):
+                self._left_out_poll()
                 continue
             if name in self.launcher.tail_streams:
                 self.stderr_tail.append(line)
@@ -146,16 +157,26 @@ class ManagedEngine:
             if isinstance(record, dict):
                 event = record.pop("event", "")
                 record.pop("timestamp", None)
-                level = str(record.pop("level", "info"))
+                level = level_name(str(record.pop("level", "info")))
                 fields = " ".join(f"{key}={value}" for key, value in record.items() if key != "logger")
                 self.log_tail.append(
                     LogLine(time=time.time(), stream=name, level=level, text=f"{event} {fields}".rstrip()))
-                getattr(log, level if level in ("debug", "info", "warning", "error") else "info")(
-                    f"engine: {event}", engine=self.spec.name, **record)
+                # The supervisor's name for the engine wins over a field of the record's own of that name.
+                getattr(log, level)(f"engine: {event}", **{**record, "engine": self.spec.name})
             else:
-                level = "error" if "Traceback" in line else "info"
+                level = levels.level(line)
                 self.log_tail.append(LogLine(time=time.time(), stream=name, level=level, text=line))
-                log.info(f"engine: {line}", engine=self.spec.name, stream=name)
+                getattr(log, level)(f"engine: {line}", engine=self.spec.name, stream=name)
+
+    def _left_out_poll(self) -> None:
+        """Said once a start, so a log without them does not look like an engine nobody asked anything."""
+        if self._polls_noted:
+            return
+        self._polls_noted = True
+        paths = ", ".join(sorted(OWN_POLL_PATHS))
+        self._note("info", f"the access-log lines of kvops's own requests ({paths}) are left out of this log")
+        log.info("engine: the access-log lines of kvops's own requests are left out of its log", engine=self.spec.name,
+                 paths=paths)
 
     def _note(self, level: str, text: str) -> None:
         self.log_tail.append(LogLine(time=time.time(), stream="kvops", level=level, text=text))
@@ -176,6 +197,7 @@ class ManagedEngine:
                         f"before {self.url}/health answered; its last lines: {self.output_tail()}")
                 try:
                     client.health()
+                    self.own_polls.learn()  # its connection, before it closes: its line may come after
                     return
                 except EngineUnreachable as exc:
                     last_error = str(exc)

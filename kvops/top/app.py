@@ -29,7 +29,7 @@ from kvops.top.widgets.audit import AuditPanel
 from kvops.top.widgets.block_map import BlockMapPanel
 from kvops.top.widgets.diagnoses import DiagnosesPanel
 from kvops.top.widgets.engines import EnginesPanel
-from kvops.top.widgets.log import LogPanel
+from kvops.top.widgets.log import LEVEL_NAMES, LogPanel
 from kvops.top.widgets.prompt_lengths import PromptLengths
 from kvops.top.widgets.tenants import TenantsPanel
 from kvops.top.widgets.trends import TrendsPanel
@@ -50,6 +50,9 @@ class KvopsTop(App[None]):
         Binding("r", "revert_fix", "revert"),
         Binding("t", "map_view", "map: tenants/states"),
         Binding("l", "toggle_log", "log"),
+        # htop's filter key; `/` is the tenants' and diagnoses' filter already
+        Binding("backslash", "log_filter", "log filter"),
+        Binding("w", "log_level", "log level"),
         Binding("tab", "focus_next", "next panel", show=True),
         Binding("ctrl+r", "refresh", "refresh", show=False),
     ]
@@ -89,6 +92,8 @@ class KvopsTop(App[None]):
                 yield AuditPanel()
             yield LogPanel()
         yield Input(placeholder="filter tenants and diagnoses", id="filter")
+        yield Input(placeholder="log: only the lines containing this, in any case (enter or esc closes; empty clears)",
+                    id="log-filter")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -117,12 +122,21 @@ class KvopsTop(App[None]):
     def action_refresh(self) -> None:
         if not self.polling:
             self.polling = True
-            self._poll()
+            self._poll(self._log_lines())
+
+    def _log_lines(self) -> int:
+        """How many of the engine's log lines the poll asks for: none while the panel is hidden."""
+        if not self.show_log:
+            return 0
+        try:
+            return self.query_one(LogPanel).lines_wanted
+        except NoMatches:  # the app is tearing its panels down
+            return 0
 
     @work(thread=True, group="poll")
-    def _poll(self) -> None:
+    def _poll(self, log_lines: int) -> None:
         try:
-            state = self.poller.poll(log_engine=self.selected_engine, log_lines=100 if self.show_log else 0)
+            state = self.poller.poll(log_engine=self.selected_engine, log_lines=log_lines)
         except SupervisorUnreachable as exc:
             self.call_from_thread(self._lost, str(exc))
         else:
@@ -216,9 +230,41 @@ class KvopsTop(App[None]):
         self.query_one("#diagnoses" if self.filter_text else "#engines", DataTable).focus()
 
     def on_key(self, event: Key) -> None:
-        if event.key == "escape" and self.query_one("#filter", Input).has_focus:
+        if event.key != "escape":
+            return
+        if self.query_one("#filter", Input).has_focus:
             event.stop()
             self._close_filter()
+        elif self.query_one("#log-filter", Input).has_focus:
+            event.stop()
+            self._close_log_filter()
+
+    def action_log_filter(self) -> None:
+        if not self.show_log:
+            self.action_toggle_log()  # a filter on a hidden panel would do nothing to see
+        box = self.query_one("#log-filter", Input)
+        box.add_class("shown")
+        box.focus()
+
+    @on(Input.Changed, "#log-filter")
+    def _log_filter_changed(self, event: Input.Changed) -> None:
+        self.query_one(LogPanel).set_filter(event.value)
+
+    @on(Input.Submitted, "#log-filter")
+    def _log_filter_done(self) -> None:
+        self._close_log_filter()
+
+    def _close_log_filter(self) -> None:
+        self.query_one("#log-filter", Input).remove_class("shown")
+        self.query_one("#engines", DataTable).focus()
+        self.action_refresh()  # a filter asks for more lines: fetch them now, not at the next tick
+
+    def action_log_level(self) -> None:
+        if not self.show_log:
+            self.action_toggle_log()
+        level = self.query_one(LogPanel).cycle_level()
+        self.notify(f"log: {LEVEL_NAMES.get(level, 'all lines')}", timeout=2)
+        self.action_refresh()
 
     def action_sort(self) -> None:
         self.query_one(TenantsPanel).cycle_sort()

@@ -29,6 +29,8 @@ HELP = """\
   r          revert the selected audit entry's fix (asks first; needs the admin token)
   t          block map: colour by state, or by the tenant owning each block
   l          show or hide the engine log
+  \\          filter the log by text, any case (enter or esc to close; empty clears)
+  w          log level: all lines, warnings and up, errors and up
   ctrl+r     refresh now
 
 Admin token: --admin-token, or ${env}.

@@ -36,6 +36,14 @@ SPEC_KEYS = ("host", "port")
 # ServerSettings fields that [engines.args] sets directly; the rest become extra flags.
 _SETTINGS_FIELDS = ("served_model_name", "dtype", "max_model_len", "block_size", "enable_prefix_caching",
                     "max_num_seqs", "max_num_batched_tokens")
+# What the supervisor polls a vLLM for at every poll (two a second in an operator's setup): the lines of those
+# polls in vLLM's access log would crowd out everything else in the engine log. --disable-access-log-for-endpoints
+# (0.32 has it, older vLLMs do not) leaves them out and keeps every other request's line; the user's own setting of
+# it, or of disable_uvicorn_access_log, wins. The supervisor's log forwarding drops what is left of its own polls.
+ACCESS_LOG_KEY = "disable_access_log_for_endpoints"
+ACCESS_LOG_FLAG = "--disable-access-log-for-endpoints"
+ACCESS_LOG_OFF_KEY = "disable_uvicorn_access_log"  # vLLM's switch for the whole access log
+POLLED_ENDPOINTS = ("/health", "/metrics")
 LOCATE_TIMEOUT_S = 60.0
 FLAGS_TIMEOUT_S = 300.0  # imports vLLM: 10-30 s on a small CPU
 _MARK = "KVOPS_VLLM_FLAGS "
@@ -116,6 +124,16 @@ def with_drain(args: Mapping[str, Any], drain_timeout_s: float) -> dict[str, Any
     """The args a managed vLLM starts with: the engine's drain timeout as vLLM's --shutdown-timeout (how long
     SIGTERM waits for in-flight requests) unless the args set it."""
     return {"shutdown_timeout": max(0, round(drain_timeout_s)), **args}
+
+
+def without_poll_logs(args: Mapping[str, Any], installed: InstalledFlags | None) -> dict[str, Any]:
+    """The args with vLLM's access log of the endpoints kvops polls turned off, where this vLLM has the flag
+    (`installed`: its flags, None when kvops cannot tell, and then nothing is added) and the args say nothing of
+    the access log."""
+    if installed is None or ACCESS_LOG_FLAG not in installed.flags or ACCESS_LOG_KEY in args \
+            or ACCESS_LOG_OFF_KEY in args:
+        return dict(args)
+    return {**args, ACCESS_LOG_KEY: ",".join(POLLED_ENDPOINTS)}
 
 
 def cli_flags(args: Mapping[str, Any]) -> list[str]:

@@ -1,7 +1,8 @@
 """vLLM's OpenAI server as an engine `kvops run` manages: its command line from the configured interpreter,
-KV cache events on where the vLLM has them, and a restart fix's settings as its flags. It takes plain values
-(the supervisor's registry, kvops.supervisor.launchers, reads them from the engine's config entry) and sits
-beside the process tools it uses; it has no kvops admin API, so it gets no admin token."""
+KV cache events on and the access log of kvops's own polls off where the vLLM has those flags, and a restart
+fix's settings as its flags. It takes plain values (the supervisor's registry, kvops.supervisor.launchers, reads
+them from the engine's config entry) and sits beside the process tools it uses; it has no kvops admin API, so it
+gets no admin token."""
 
 from __future__ import annotations
 
@@ -13,7 +14,16 @@ from typing import Any
 
 from kvops.processes import Launch
 from kvops.schema.errors import ConfigError
-from kvops.vllm.flags import args_for_fix, installed_flags, require_vllm, resolve_python, server_settings, with_drain
+from kvops.vllm.flags import (
+    InstalledFlags,
+    args_for_fix,
+    installed_flags,
+    require_vllm,
+    resolve_python,
+    server_settings,
+    with_drain,
+    without_poll_logs,
+)
 from kvops.vllm.install import neutral_cwd
 from kvops.vllm.launch import (
     KV_EVENTS_FLAG,
@@ -46,6 +56,8 @@ class VllmLauncher:
         self.kv_events = kv_events
         # Whether this vLLM has KV cache events: asked at the first start that needs it (None: not yet).
         self.kv_events_supported: bool | None = None
+        self._flags: InstalledFlags | None = None
+        self._flags_asked = False
 
     def publishes_kv_events(self) -> bool:
         """Whether this vLLM publishes the events kvops reads: not when they are off, or when kvops would add them
@@ -56,7 +68,8 @@ class VllmLauncher:
         if KV_EVENTS_KEY in self.configured:
             return True
         if self.kv_events_supported is None:
-            self.kv_events_supported = has_kv_events(self.python, self.configured)
+            flags = self.installed()
+            self.kv_events_supported = flags is None or KV_EVENTS_FLAG in flags.flags
             if not self.kv_events_supported:
                 log.warning("the vLLM of %s has no --kv-events-config (vLLM 0.9.0 and later): engine %s runs without "
                             "KV cache events, so kvops draws no block map for it", self.python, self.name)
@@ -66,10 +79,18 @@ class VllmLauncher:
                admin_token: str) -> Launch:
         # Cached prompt tokens in each response's usage (prompt_tokens_details), which a gateway in front of this
         # vLLM counts per tenant (docs/gateway.md); `enable_prompt_tokens_details = false` in the args turns it off.
-        args = {PROMPT_DETAILS_KEY: True, **args}
+        args = without_poll_logs({PROMPT_DETAILS_KEY: True, **args}, self.installed())
         settings = server_settings(with_drain(self._with_events(args), drain_timeout_s), host, port)
         env = {**server_env(settings), "PYTHONUNBUFFERED": "1"}
         return Launch(server_argv(self.python, settings), env, str(neutral_cwd()))
+
+    def installed(self) -> InstalledFlags | None:
+        """The flags of this vLLM (asked once per installation, then cached on disk); None when kvops cannot tell,
+        and then it adds none of the flags it would only pass to a vLLM that has them."""
+        if not self._flags_asked:
+            self._flags_asked = True
+            self._flags = ask_flags(self.python, self.configured)
+        return self._flags
 
     def _with_events(self, args: Mapping[str, Any]) -> dict[str, Any]:
         """The args with kvops's --kv-events-config added where kvops reads the events and the args do not say."""
@@ -87,15 +108,15 @@ class VllmLauncher:
         return args_for_fix(args, params)
 
 
-def has_kv_events(python: Path, args: Mapping[str, Any]) -> bool:
-    """Whether the vLLM of `python` has --kv-events-config (vLLM 0.9.0 and later): in its flags as `kvops run
-    --check-config` reads them (asked once per installation, then cached). True when kvops cannot tell."""
+def ask_flags(python: Path, args: Mapping[str, Any]) -> InstalledFlags | None:
+    """The flags of the vLLM of `python` as `kvops run --check-config` reads them (asked once per installation,
+    then cached); None, said in the log, when they cannot be read."""
     try:
-        flags = installed_flags(python, require_vllm(python, args), say=log.info)
+        return installed_flags(python, require_vllm(python, args), say=log.info)
     except (ConfigError, OSError, ValueError, KeyError) as exc:
-        log.info("cannot tell whether the vLLM of %s has KV cache events (%s): assuming it does", python, exc)
-        return True
-    return KV_EVENTS_FLAG in flags.flags
+        log.info("cannot read the flags of the vLLM of %s (%s): assuming it has KV cache events, and leaving its "
+                 "access log as vLLM sets it", python, exc)
+        return None
 
 
 def preflight(python: str | None, args: Mapping[str, Any], drain_timeout_s: float, flags: bool) -> None:
