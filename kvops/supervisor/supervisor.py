@@ -37,6 +37,7 @@ from kvops.rules import evaluate_all
 from kvops.schema.diagnosis import Diagnosis, Severity
 from kvops.schema.engines import GatewayLink
 from kvops.schema.snapshot import Snapshot
+from kvops.supervisor.collection import Collection
 from kvops.supervisor.config import KvopsConfig
 from kvops.supervisor.engine_spec import EngineSpec
 from kvops.supervisor.event_feeds import EventFeeds
@@ -144,6 +145,7 @@ class Supervisor:
         self.poll_errors: dict[str, int] = {name: 0 for name in self.engines}
         self.last_poll_s = 0.0
         self.timing = PollTiming(settings.poll_interval_s)
+        self.collection = Collection()  # the garbage collector, between poll cycles
         self._stop = threading.Event()
         # Engines are read side by side: one that hangs until its timeout must not delay the others' snapshots.
         self._readers = ThreadPoolExecutor(max_workers=min(16, len(self.engines)), thread_name_prefix="kvops-poll")
@@ -196,16 +198,21 @@ class Supervisor:
     def _run(self) -> None:
         interval = self.config.supervisor.poll_interval_s
         due = time.monotonic()
-        while not self._stop.is_set():
-            started = time.monotonic()
-            try:
-                self.poll_once()
-            except Exception:  # one bad cycle must not end supervision
-                log.exception("poll cycle failed")
-            took = time.monotonic() - started
-            self.timing.cycle(took, started - due)
-            due = started + interval
-            self._stop.wait(max(0.0, interval - took))
+        self.collection.start()
+        try:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                try:
+                    self.poll_once()
+                except Exception:  # one bad cycle must not end supervision
+                    log.exception("poll cycle failed")
+                self.collection.after_cycle()
+                took = time.monotonic() - started
+                self.timing.cycle(took, started - due)
+                due = started + interval
+                self._stop.wait(max(0.0, interval - took))
+        finally:
+            self.collection.stop()
 
     # ----------------------------------------------------------------- poll
 

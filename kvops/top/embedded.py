@@ -17,7 +17,7 @@ from pathlib import Path
 
 import platformdirs
 
-from kvops.processes import die_with_parent, free_port, stop_process
+from kvops.processes import die_with_parent, reserve_port, stop_process
 from kvops.top.client import probe
 
 STOP_TIMEOUT_S = 40.0  # the supervisor drains its engine (up to its drain timeout) before exiting
@@ -36,7 +36,8 @@ class EmbeddedSupervisor:
     def __init__(self, run_args: list[str] | None = None, state_dir: Path | None = None) -> None:
         self.run_args = list(run_args or [])
         self.state_dir = state_dir or default_state_dir()
-        self.port = free_port("127.0.0.1")
+        self._port_hold = reserve_port("127.0.0.1")  # nothing else takes it before the supervisor binds it
+        self.port = int(self._port_hold.getsockname()[1])
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin_token = secrets.token_urlsafe(24)
         self.log_path = self.state_dir / "supervisor.log"
@@ -75,3 +76,4 @@ class EmbeddedSupervisor:
         process = self.process
         if process is not None:
             stop_process(process, STOP_TIMEOUT_S)
+        self._port_hold.close()
