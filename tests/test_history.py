@@ -60,3 +60,16 @@ def test_trend_of_a_falling_gauge():
         history.add(snapshot(100.0 + i, requests={"running": 50 - 3 * i}))
     assert history.trend(lambda s: s.requests.running, 60) == pytest.approx(-3.0)
     assert EngineHistory("empty").trend(lambda s: s.requests.running, 60) is None
+
+
+def test_an_engine_clock_that_stepped_back_still_gives_windows_in_time_order():
+    history = EngineHistory("e")
+    for t in (100.0, 101.0, 102.0):
+        history.add(snapshot(t))
+    assert [s.time for s in history.window(60)] == [100.0, 101.0, 102.0]
+    history.add(snapshot(100.5))  # the clock stepped back 1.5 s: the newest arrival is not the newest snapshot
+    assert [s.time for s in history.snapshots] == [100.0, 100.5, 101.0, 102.0]
+    assert [s.time for s in history.window(1.0, now=101.0)] == [100.0, 100.5, 101.0]
+    history.add(snapshot(103.0))
+    times = [s.time for s in history.snapshots]
+    assert times == sorted(times) and times[-1] == 103.0
