@@ -171,7 +171,9 @@ def _none(stats: KvEventStats, waited: float, first: Snapshot | None, end: Snaps
                      remedy=check_it)
     quiet = (f"the engine computed {computed} prompt tokens meanwhile, less than a block"
              if computed is not None else "kvops cannot tell whether the engine computed prompts meanwhile")
-    replay = "" if stream.replay_endpoint else "; give --events-replay to read what is already resident at once"
+    # The replay socket is asked only once a live batch shows what was missed: it tells nothing of a quiet engine.
+    replay = "" if stream.replay_endpoint else ("; with --events-replay, the blocks resident before doctor joined are "
+                                                "read when the first batch arrives")
     return Check(section=SECTION, title="Event stream", status=Status.WARN,
                  evidence=f"{evidence}: {quiet}, and a quiet engine publishes nothing",
                  remedy=f"to tell a quiet engine from a wrong endpoint, send it a prompt longer than a block while "

@@ -47,8 +47,8 @@ def add_doctor_args(parser: argparse.ArgumentParser) -> None:
     events.add_argument("--events", metavar="ENDPOINT",
                         help="its publisher's endpoint, exactly as in its --kv-events-config (tcp://*:5557, "
                              "tcp://HOST:PORT or ipc:///PATH): doctor listens, and reports the stream and the blocks")
-    events.add_argument("--events-replay", metavar="ENDPOINT", help="its replay_endpoint: what is resident is read at "
-                        "once, and missed batches are asked again")
+    events.add_argument("--events-replay", metavar="ENDPOINT", help="its replay_endpoint: with the first batch that "
+                        "arrives, what was resident before doctor joined is read, and missed batches are asked again")
     events.add_argument("--events-topic", metavar="TOPIC", default="", help="its topic (default: vLLM's, \"\")")
     events.add_argument("--events-window", metavar="SECONDS", type=_seconds, default=DEFAULT_WINDOW_S,
                         help="how long to listen (default: %(default)s)")

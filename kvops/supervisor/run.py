@@ -22,7 +22,11 @@ def config_from_args(args: argparse.Namespace) -> KvopsConfig:
     config = load_config(args.config, overrides)
     if args.engine_url or args.no_managed:
         data: dict[str, Any] = config.model_dump()
-        engines = [] if args.no_managed else data["engines"]
+        # The default managed engine only stands in for a configuration that names no engine: with --engine-url
+        # the operator named one, and `kvops run --engine-url URL` must not also load a model beside their server.
+        engines = data["engines"] if "engines" in config.model_fields_set else []
+        if args.no_managed:  # the configured engines kvops only watches stay watched
+            engines = [e for e in engines if not e["managed"]]
         engines += [{"name": f"watched-{i}", "url": url, "managed": False} for i, url in enumerate(args.engine_url)]
         data["engines"] = engines
         config = parse_config(data, args.config or "flags")

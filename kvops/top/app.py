@@ -35,6 +35,9 @@ from kvops.top.widgets.tenants import TenantsPanel
 from kvops.top.widgets.trends import TrendsPanel
 
 MIN_WIDTH, MIN_HEIGHT = 80, 24
+# Below this width the top row's side panels are too narrow for a trend's label and its sparkline side by side
+# (a 24-column label in a 25-column panel at 100 columns left the sparklines no room): top.tcss stacks them.
+NARROW_WIDTH = 140
 LOG_PANEL_MIN_HEIGHT = 36  # below this the log panel starts hidden (`l` shows it)
 
 
@@ -113,8 +116,11 @@ class KvopsTop(App[None]):
 
     def _check_size(self, width: int, height: int) -> None:
         small = width < MIN_WIDTH or height < MIN_HEIGHT
-        self.screen.set_class(small, "too-small")
-        self.query_one("#too-small", Static).update(
+        # The panels' screen, not a help or detail screen open above it while the terminal is resized.
+        main = self.screen_stack[0]
+        main.set_class(small, "too-small")
+        main.set_class(width < NARROW_WIDTH, "narrow")
+        main.query_one("#too-small", Static).update(
             f"terminal too small: {width}×{height}, kvops top needs at least {MIN_WIDTH}×{MIN_HEIGHT}")
 
     # ----------------------------------------------------------- polling

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from kvops.schema.kv_events import EventStreamHealth, KvEventStats
 from kvops.schema.snapshot import Histogram, Snapshot, TenantStats, histogram_since
 from kvops.top.client import EngineView, Poller, Source, SupervisorRefused
+from kvops.top.counters import hit_rate_now, hit_rates, latency_totals
 from kvops.top.prefix_view import prefix_lines
 
 
@@ -52,28 +53,27 @@ def health(view: EngineView) -> str:
 
 
 def series(history: Sequence[Snapshot]) -> dict[str, list[float]]:
-    """The sparkline series over a history, oldest first: KV usage, hit rate, swap rate (fractions);
-    then, between consecutive snapshots (one point fewer), throughput (generated tokens/s) and the
-    mean time to first token and inter-token latency (seconds) of the tokens generated in between
-    (the last value carried over an interval with none, 0 before the first)."""
+    """The sparkline series over a history, oldest first: KV usage, hit rate (the engine's window, or
+    from a server's counters: kvops.top.counters), swap rate (fractions); then, between consecutive
+    snapshots (one point fewer), throughput (generated tokens/s) and the mean time to first token and
+    inter-token latency (seconds) of the tokens generated in between (the last value carried over an
+    interval with none, 0 before the first)."""
     throughput: list[float] = []
-    ttft: list[float] = []
-    itl: list[float] = []
+    latency: dict[str, list[float]] = {"ttft": [], "itl": []}
     for prev, cur in itertools.pairwise(history):
         dt = cur.time - prev.time
         tokens = cur.requests.generation_tokens_total - prev.requests.generation_tokens_total
         throughput.append(max(0.0, tokens / dt) if dt > 0 else 0.0)
-        ttft.append(_interval_mean(cur.requests.ttft_seconds_sum - prev.requests.ttft_seconds_sum,
-                                   cur.requests.ttft_count - prev.requests.ttft_count, ttft))
-        itl.append(_interval_mean(cur.requests.itl_seconds_sum - prev.requests.itl_seconds_sum,
-                                  cur.requests.itl_count - prev.requests.itl_count, itl))
+        for field, means in latency.items():
+            before, now = latency_totals(prev, field), latency_totals(cur, field)
+            means.append(_interval_mean(now[0] - before[0], now[1] - before[1], means))
     return {
         "kv_usage": [s.blocks.usage for s in history],
-        "hit_rate": [s.prefix_cache.window_hit_rate for s in history],
+        "hit_rate": hit_rates(history),
         "swap_rate": [s.swap.window.swap_rate for s in history],
         "throughput": throughput,
-        "ttft": ttft,
-        "itl": itl,
+        "ttft": latency["ttft"],
+        "itl": latency["itl"],
     }
 
 
@@ -89,15 +89,32 @@ def fmt_seconds(x: float | None) -> str:
     return f"{x * 1000:.0f} ms" if x < 10 else f"{x:.1f} s"
 
 
-def histogram_lines(h: Histogram, width: int = 30) -> list[str]:
-    """One bar per bucket (counts are per bucket), then the percentiles."""
+def histogram_lines(h: Histogram, width: int = 30, fit: tuple[int, int] | None = None) -> list[str]:
+    """One bar per bucket (counts are per bucket), then the percentiles. `fit` = (columns, rows) of the box the
+    lines go in: the bars shrink to its width (never past `width`), and when it has fewer rows than buckets the
+    empty buckets below the first and above the last filled one are left out and the percentiles come first, so
+    that they and the filled buckets stay in sight (vLLM's 12 prompt-length buckets wrapped and pushed its
+    percentiles out of a 100x30 terminal)."""
     labels = [f"≤{b:g}" for b in h.buckets] + [f">{h.buckets[-1]:g}" if h.buckets else "all"]
-    top = max(h.counts, default=0) or 1
-    pad = max((len(label) for label in labels), default=0)
-    lines = [f"{label:>{pad}} {'█' * round(count / top * width):<{width}} {count}"
-             for label, count in zip(labels, h.counts, strict=False)]
-    lines.append(f"p50 {_or_dash(h.p50)}  p95 {_or_dash(h.p95)}  p99 {_or_dash(h.p99)}  (n={h.count})")
-    return lines
+    rows = list(zip(labels, h.counts, strict=False))
+    percentiles = f"p50 {_or_dash(h.p50)}  p95 {_or_dash(h.p95)}  p99 {_or_dash(h.p99)}  (n={h.count})"
+    short = fit is not None and len(rows) + 1 > fit[1]
+    if short:
+        filled = [i for i, (_, count) in enumerate(rows) if count]
+        if filled:
+            rows = rows[filled[0]:filled[-1] + 1]
+    top = max((count for _, count in rows), default=0) or 1
+    pad = max((len(label) for label, _ in rows), default=0)
+    if fit is not None:  # label, space, bar, space, count
+        width = max(1, min(width, fit[0] - pad - 2 - len(str(top))))
+    lines = [f"{label:>{pad}} {'█' * round(count / top * width):<{width}} {count}" for label, count in rows]
+    # In a short box the percentiles come first: what does not fit is then the bars at the end.
+    return [percentiles, *lines] if short else [*lines, percentiles]
+
+
+def tenant_field(s: Snapshot, tenant: TenantStats, field: str) -> str:
+    """A tenant's count, or "-" where the source does not report it (a gateway's tenants hold no blocks it sees)."""
+    return str(getattr(tenant, field)) if s.knows(f"tenants.*.{field}") else "-"
 
 
 def engine_summary(view: EngineView) -> list[str]:
@@ -107,12 +124,13 @@ def engine_summary(view: EngineView) -> list[str]:
     if s is None:
         return [head, f"  no snapshot: {view.error or e.last_error or 'starting'}"]
     counts = " ".join(f"{k}={v}" for k, v in s.blocks.counts.items())
+    hit_rate, covers = hit_rate_now(s, view.history)
     lines = [
         head,
         f"  model {s.engine.model}  block {s.engine.block_size}  kv {s.engine.kv_cache_dtype}  "
         f"capacity {capacity(s)}  uptime {fmt_duration(s.uptime_s)}",
-        f"  kv usage {fmt_pct(s.blocks.usage)}  hit rate {fmt_pct(s.prefix_cache.window_hit_rate)}  "
-        f"swap rate {fmt_pct(s.swap.window.swap_rate)}  running {s.requests.running}  "
+        f"  kv usage {fmt_pct(s.blocks.usage)}  hit rate {fmt_pct(hit_rate)}{covers}  "
+        f"swap rate {fmt_pct(s.swap.window.swap_rate) if s.knows('swap') else '-'}  running {s.requests.running}  "
         f"waiting {s.requests.waiting}",
         f"  blocks {counts}",
         f"  prompt len p50 {_or_dash(s.prompt_lengths.p50)}  p95 {_or_dash(s.prompt_lengths.p95)}  "
@@ -120,8 +138,10 @@ def engine_summary(view: EngineView) -> list[str]:
     ]
     for name, t in sorted(s.tenants.items()):
         quota = t.quota_blocks if t.quota_blocks is not None else "-"
-        lines.append(f"  tenant {name}: held {t.blocks_held} quota {quota} hit {fmt_pct(t.hit_rate)} "
-                     f"evictions caused {t.evictions_caused} suffered {t.evictions_suffered}")
+        held, caused, suffered = (tenant_field(s, t, f) for f in ("blocks_held", "evictions_caused",
+                                                                  "evictions_suffered"))
+        lines.append(f"  tenant {name}: held {held} quota {quota} hit {fmt_pct(t.hit_rate)} "
+                     f"evictions caused {caused} suffered {suffered}")
     if s.kv_events is not None:
         ev = s.kv_events
         resident = ", ".join(f"{medium} {n}" for medium, n in sorted(ev.resident.items())) or "none"
@@ -130,12 +150,17 @@ def engine_summary(view: EngineView) -> list[str]:
     return lines
 
 
-def tenant_detail(name: str, t: TenantStats) -> str:
+def tenant_detail(name: str, t: TenantStats, s: Snapshot | None = None) -> str:
     quota = f"{t.quota_blocks} blocks" if t.quota_blocks is not None else "none"
+    held, owned, caused, suffered = (tenant_field(s, t, f) if s is not None else str(getattr(t, f))
+                                     for f in ("blocks_held", "blocks_owned", "evictions_caused", "evictions_suffered"))
+    why = " (its tenants come from the gateway, which sees no blocks)" if s is not None and s.gateway else ""
+    unseen = (f"-: not reported by {s.source}{why}\n"
+              if s is not None and "-" in (held, owned, caused, suffered) else "")
     return (f"requests {t.requests_total}  prompt tokens {t.prompt_tokens_total}  served from cache "
             f"{t.hit_tokens_total} ({fmt_pct(t.hit_rate)})\n"
-            f"blocks held by live requests {t.blocks_held}  owned (cached included) {t.blocks_owned}  quota {quota}\n"
-            f"evictions caused {t.evictions_caused}  suffered {t.evictions_suffered}\n"
+            f"blocks held by live requests {held}  owned (cached included) {owned}  quota {quota}\n"
+            f"evictions caused {caused}  suffered {suffered}\n{unseen}"
             f"cache salt {t.cache_salt or '(own)'}: tenants with the same salt share prefix blocks")
 
 

@@ -18,35 +18,44 @@ from kvops.top.client import ADMIN_TOKEN_ENV
 HELP = """\
 [b]kvops top[/b]: the supervisor's engines, live
 
-  q          quit
-  ?          this help
-  tab        next panel (shift+tab: previous)
-  ↑ ↓        move in the focused table (engines: pick the engine shown)
-  /          filter tenants and diagnoses (enter or esc to close; empty clears)
-  s          cycle the tenants' sort column (or click a column header; again: reverse)
-  enter      detail of the selected engine, tenant, diagnosis or audit entry
-  f          apply the selected diagnosis's fix (asks first; needs the admin token)
-  r          revert the selected audit entry's fix (asks first; needs the admin token)
-  t          block map: colour by state, or by the tenant owning each block
-  l          show or hide the engine log
-  \\          filter the log by text, any case (enter or esc to close; empty clears)
-  w          log level: all lines, warnings and up, errors and up
-  ctrl+r     refresh now
+  q        quit
+  ?        this help
+  tab      next panel (shift+tab: previous)
+  ↑ ↓      move in the focused table (engines: pick the engine shown)
+  /        filter tenants, diagnoses (enter or esc closes; empty clears)
+  s        cycle the tenants' sort (or click a header; again: reverse)
+  enter    detail of the selected engine, tenant, diagnosis or audit row
+  f        apply the selected diagnosis's fix (asks first; admin token)
+  r        revert the selected audit entry's fix (asks first; admin token)
+  t        block map by state or tenant (vLLM events: age, tenant, medium)
+  l        show or hide the engine log
+  \\        filter the log by text, any case (enter or esc closes)
+  w        log level: all lines, warnings and up, errors and up
+  ctrl+r   refresh now
+  pgdn     scroll this help or a detail (also ↑ ↓ pgup home end)
 
 Admin token: --admin-token, or ${env}.
-Block map: one glyph per cell; when blocks outnumber cells a cell shows the most
-interesting state among its blocks (swapped > pending free > filling > full > cached > free);
-in the tenant view, the tenant owning most of its blocks.
-Trends: the last two minutes; the label gives the latest value and the window's maximum.
+Block map: one glyph per cell; when blocks outnumber cells a cell shows
+the most interesting state among its blocks (swapped > pending free >
+filling > full > cached > free); by tenant, the one owning most of them.
+Trends: the last two minutes; the label gives the latest value and the
+window's maximum.
 
 esc / q / ? closes this help."""
 
 
 class HelpScreen(ModalScreen[None]):
+    """The help, in a box no taller than the terminal that the arrow keys scroll: on 100x30 it was taller than the
+    screen, its borders and last lines off it."""
+
     BINDINGS: ClassVar[list[BindingType]] = [("escape,q,question_mark", "dismiss", "close")]
 
     def compose(self) -> ComposeResult:
-        yield Static(HELP.replace("${env}", f"${ADMIN_TOKEN_ENV}"), id="help")
+        with VerticalScroll(id="help"):
+            yield Static(HELP.replace("${env}", f"${ADMIN_TOKEN_ENV}"), id="help-text")
+
+    def on_mount(self) -> None:
+        self.query_one("#help", VerticalScroll).focus()
 
 
 class ConfirmScreen(ModalScreen[bool]):
@@ -60,7 +69,8 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="confirm"):
-            yield Label(self.question, id="question")
+            # A Static wraps (a Label cut the fix's description at the box's edge: what was being confirmed)
+            yield Static(self.question, id="question")
             with Horizontal(id="buttons"):
                 yield Button("Yes (y)", id="yes", variant="warning")
                 yield Button("No (n)", id="no")
@@ -84,7 +94,12 @@ class DetailScreen(ModalScreen[None]):
         self.body = body
 
     def compose(self) -> ComposeResult:
-        with VerticalScroll(id="detail", can_focus=False):
+        # Focused, so that the arrow keys and page keys scroll it: a diagnosis's fix comes after its evidence,
+        # below the fold of a 30-row terminal, and only a mouse could reach it.
+        with VerticalScroll(id="detail"):
             yield Label(Text(self.title_text, style="bold"), id="detail-title")
             yield Static(self.body, id="detail-body")
-            yield Label(Text("esc closes", style="dim"))
+            yield Label(Text("esc closes; ↑ ↓ pgup pgdn scroll", style="dim"))
+
+    def on_mount(self) -> None:
+        self.query_one("#detail", VerticalScroll).focus()

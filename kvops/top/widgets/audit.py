@@ -87,10 +87,17 @@ class AuditPanel(TablePanel):
 
     def show_jobs(self, jobs: list[dict[str, Any]]) -> None:
         """The running fix jobs' state and progress on the panel's bottom border, e.g.
-        "prefix_caching_off on gpu-0: verifying 40/60 s"; nothing when none runs."""
+        "prefix_caching_off on gpu-0: verifying 40/60 s"; nothing when none runs. On a border too short for that
+        the engine, then the rule, are left out: the progress is what the border is for (at 100 columns it was
+        cut to "tenant_pollution on vllm-0:…")."""
         running = [j for j in jobs if j.get("state") in PENDING_JOBS]
-        self.border_subtitle = "  ·  ".join(
-            f"{j.get('rule')} on {j.get('engine')}: {j.get('progress') or j.get('state')}" for j in running)
+        room = self.size.width - 6  # the corners and the ellipsis Textual draws when a title is cut
+        for form in ("{rule} on {engine}: {progress}", "{rule}: {progress}", "{progress}"):
+            subtitle = "  ·  ".join(form.format(rule=j.get("rule"), engine=j.get("engine"),
+                                                progress=j.get("progress") or j.get("state")) for j in running)
+            if not self.size.width or len(subtitle) <= room:  # no size yet (before the first layout): all of it
+                break
+        self.border_subtitle = subtitle
 
     def row(self, key: str | None) -> AuditRow | None:
         return next((row for row in self.rows if str(row.latest.id) == key), None)

@@ -201,20 +201,32 @@ def engine_detail(view: EngineView) -> Text:
         text.append(f"its log: {e.gateway.log}; POST /api/engines/{e.name}/resume starts it again once fixed\n")
     s = view.latest
     if s is not None:
-        text.append(f"model {s.engine.model}  device {s.engine.device}  dtype {s.engine.dtype}\n"
-                    f"block size {s.engine.block_size}  KV dtype {s.engine.kv_cache_dtype}  "
-                    f"capacity {capacity(s)}\n"
-                    f"max model len {s.engine.max_model_len}  max seqs {s.engine.max_num_seqs}  "
-                    f"batched tokens {s.engine.max_num_batched_tokens}\n"
-                    f"prefix caching {'on' if s.engine.enable_prefix_caching else 'off'}  eviction "
-                    f"{s.engine.eviction_policy}  normalization {s.prefix_cache.normalization}\n"
-                    f"requests finished {s.requests.finished_total}  aborted {s.requests.aborted_total}  "
-                    f"preemptions {s.requests.preemptions_total}\n"
-                    f"prefix hit rate {fmt_pct(s.prefix_cache.hit_rate)} overall, "
-                    f"{fmt_pct(s.prefix_cache.window_hit_rate)} in the last {s.prefix_cache.window_s:g} s; "
-                    f"evictions {s.prefix_cache.evictions_total}\n"
-                    f"swap: {s.swap.preemption_mode}, host blocks {s.swap.host_blocks}, swapped "
-                    f"{s.swap.swapped_blocks}\n"
-                    f"process: cpu {s.process.cpu_percent:.0f}%  rss {s.process.rss_bytes / 2**20:.0f} MiB\n"
-                    f"{gpu_summary(s.process)}")
+        def shown(path: str, value: object) -> str:  # "-" for what the source does not report, never a 0
+            return str(value) if s.knows(path) else "-"
+
+        hit_window = (f"{fmt_pct(s.prefix_cache.window_hit_rate)} in the last {s.prefix_cache.window_s:g} s"
+                      if s.knows("prefix_cache.window_hit_rate") else f"no window of its own ({s.source})")
+        swap = (f"{s.swap.preemption_mode}, host blocks {s.swap.host_blocks}, swapped {s.swap.swapped_blocks}"
+                if s.knows("swap") else "-")
+        cpu = f"{s.process.cpu_percent:.0f}%" if s.knows("process.cpu_percent") else "-"
+        lines = [
+            f"model {s.engine.model}  device {shown('engine.device', s.engine.device)}  "
+            f"dtype {shown('engine.dtype', s.engine.dtype)}",
+            f"block size {s.engine.block_size}  KV dtype {s.engine.kv_cache_dtype}  capacity {capacity(s)}",
+            f"max model len {s.engine.max_model_len}  max seqs {shown('engine.max_num_seqs', s.engine.max_num_seqs)}  "
+            f"batched tokens {shown('engine.max_num_batched_tokens', s.engine.max_num_batched_tokens)}",
+            f"prefix caching {'on' if s.engine.enable_prefix_caching else 'off'}  eviction "
+            f"{shown('engine.eviction_policy', s.engine.eviction_policy)}  "
+            f"normalization {shown('prefix_cache.normalization', s.prefix_cache.normalization)}",
+            f"requests finished {s.requests.finished_total}  aborted {s.requests.aborted_total}  "
+            f"preemptions {s.requests.preemptions_total}",
+            f"prefix hit rate {fmt_pct(s.prefix_cache.hit_rate)} overall, {hit_window}; "
+            f"evictions {shown('prefix_cache.evictions_total', s.prefix_cache.evictions_total)}",
+            f"swap: {swap}",
+            f"process: cpu {cpu}  rss {s.process.rss_bytes / 2**20:.0f} MiB",
+            gpu_summary(s.process),
+        ]
+        if s.unknown:
+            lines.append(f"-: not reported by {s.source}")
+        text.append("\n".join(lines))
     return text

@@ -12,7 +12,7 @@ from textual.widgets import DataTable
 from kvops.row_table import RowTable
 from kvops.schema.snapshot import TenantStats
 from kvops.top.client import EngineView
-from kvops.top.render import fmt_pct, tenant_detail
+from kvops.top.render import fmt_pct, tenant_detail, tenant_field
 from kvops.top.widgets.common import Detail, TablePanel, filter_suffix, matches
 
 
@@ -91,12 +91,18 @@ class TenantsPanel(TablePanel):
         return items
 
     def redraw(self) -> None:
-        rows = [(name, (name, str(t.blocks_held), str(t.blocks_owned),
+        s = self.view.latest if self.view else None
+
+        def count(t: TenantStats, field: str) -> str:  # "-" where the source does not report it (a gateway's)
+            return tenant_field(s, t, field) if s is not None else str(getattr(t, field))
+
+        rows = [(name, (name, count(t, "blocks_held"), count(t, "blocks_owned"),
                         str(t.quota_blocks) if t.quota_blocks is not None else "-", fmt_pct(t.hit_rate),
-                        str(t.evictions_caused), str(t.evictions_suffered))) for name, t in self.sorted_tenants()]
+                        count(t, "evictions_caused"), count(t, "evictions_suffered")))
+                for name, t in self.sorted_tenants()]
         self.query_one(RowTable).fill(rows)
 
     def detail(self, key: str) -> Detail | None:
         view = self.view
         tenant = view.latest.tenants.get(key) if view and view.latest else None
-        return None if tenant is None else (f"tenant {key}", Text(tenant_detail(key, tenant)))
+        return None if tenant is None else (f"tenant {key}", Text(tenant_detail(key, tenant, view.latest)))

@@ -16,6 +16,10 @@ from kvops.top.widgets.prompt_lengths import PromptLengths
 # (key in render.series, label)
 TRENDS = (("kv_usage", "KV usage"), ("hit_rate", "hit rate"), ("swap_rate", "swap rate"),
           ("throughput", "throughput"), ("ttft", "TTFT"), ("itl", "ITL"))
+# The snapshot field each trend is drawn from: one its source does not report is said so, not drawn as zeros
+# (vLLM has no swap: its "swap rate 0%" read as a healthy pool).
+SOURCES = {"kv_usage": "blocks.usage", "hit_rate": "prefix_cache.hit_rate", "swap_rate": "swap",
+           "throughput": "requests.generation_tokens_total", "ttft": "ttft", "itl": "itl"}
 
 
 def trend_label(key: str, values: list[float]) -> str:
@@ -44,6 +48,10 @@ class TrendsPanel(Panel):
 
     def show_engine(self, view: EngineView | None) -> None:
         data = series(view.history if view else [])
+        latest = view.latest if view else None
         for key, name in TRENDS:
-            self.query_one(f"#{key}-label", Readout).show(f"{name} {trend_label(key, data[key])}")
-            self.query_one(f"#spark-{key}", Sparkline).data = data[key]
+            known = latest is None or latest.knows(SOURCES[key])
+            self.query_one(f"#{key}-label", Readout).show(
+                f"{name} {trend_label(key, data[key])}" if known else f"{name} not reported")
+            spark = self.query_one(f"#spark-{key}", Sparkline)
+            spark.data, spark.display = (data[key] if known else []), known
