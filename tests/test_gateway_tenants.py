@@ -62,7 +62,8 @@ def test_a_gateways_tenants_reach_the_snapshot_the_metrics_and_the_api(tmp_path:
             assert _samples(text, "kvops_engine_tenant_prefix_hit_tokens_total") == {"team-a": 8, "team-b": 4}
             entry = TestClient(build_supervisor_app(sup)).get("/api/engines").json()[0]
             assert entry["gateway"] == {"url": url, "tenants": 2, "errors_total": 0, "error": "", "managed": False,
-                                        "pid": None, "starts": 0, "last_exit": "", "admin": False}
+                                        "pid": None, "starts": 0, "exits": 0, "last_exit": "", "admin": False,
+                                        "stopped": "", "restart_at": None, "last_lines": [], "log": ""}
         finally:
             sup.stop()
     # The gateway is gone: the next poll reads the engine as before, without tenants, and says why.

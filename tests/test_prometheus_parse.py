@@ -14,7 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvops.adapters.prometheus import Scrape
 
 FIXTURES = Path(__file__).parent / "fixtures"
-SCRAPES = sorted(p for p in FIXTURES.rglob("*.txt") if p.name != "SOURCES.txt")
+# Every fixture that is Prometheus text: not the servers' logs (vllm-cpu-logs/) nor trtllm-serve's JSON /metrics.
+SCRAPES = sorted(p for p in FIXTURES.rglob("*.txt") if p.name != "SOURCES.txt" and p.parent.name != "vllm-cpu-logs"
+                 and not p.name.endswith("-metrics-json.txt"))
 
 
 def _reference(text: str) -> dict[str, list[tuple[dict[str, str], float]]] | None:
