@@ -30,10 +30,6 @@ def _crashed(event: EngineExit) -> bool:
     return event.exit_code != 0
 
 
-def _describe(event: EngineExit) -> str:
-    return f"signal {event.signal}" if event.signal is not None else f"exit code {event.exit_code}"
-
-
 def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Diagnosis]:
     crashes = [e for e in history.exits_within(settings.window_s, now) if _crashed(e)]
     if not history.crash_loop and len(crashes) < settings.max_exits:
@@ -48,7 +44,7 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
         advice = "the engine manager keeps restarting it with backoff: read the last stderr lines for the cause"
         headline = f"{len(crashes)} crashes in {settings.window_s:.0f} s"
     return [diagnosis(
-        history, RULE_ID, TITLE, Severity.CRITICAL, headline + (f"; last: {_describe(latest)}" if latest else ""),
+        history, RULE_ID, TITLE, Severity.CRITICAL, headline + (f"; last: {latest.describe()}" if latest else ""),
         {
             "crash_loop": history.crash_loop,
             "exits_in_window": len(crashes),

@@ -28,10 +28,6 @@ class Settings(RuleSettings):
     log_lines: int = Field(10, ge=0, description="last lines of the gateway's log kept in the evidence")
 
 
-def _describe(event: EngineExit) -> str:
-    return f"signal {event.signal}" if event.signal is not None else f"exit code {event.exit_code}"
-
-
 def _advice(record: GatewayRecord, latest: EngineExit | None, engine: str) -> str:
     resume = f"then POST /api/engines/{engine}/resume (admin token) or restart `kvops run`"
     if record.stopped and latest is not None and latest.exit_code == GATEWAY_CONFIG_ERROR_EXIT:
@@ -51,7 +47,7 @@ def evaluate(history: EngineHistory, settings: Settings, now: float) -> list[Dia
     if not record.stopped and down_for < settings.min_down_s:
         return []
     latest = record.exits[-1] if record.exits else None
-    how = f"; last: {_describe(latest)}" if latest is not None else ""
+    how = f"; last: {latest.describe()}" if latest is not None else ""
     headline = (f"not running: {record.stopped}" if record.stopped else
                 f"down for {down_for:.0f} s, a restart is due{how}")
     lines = list(latest.stderr_tail[-settings.log_lines:]) if latest is not None and settings.log_lines else []

@@ -19,6 +19,15 @@ class EngineExit(BaseModel):
     signal: int | None
     stderr_tail: tuple[str, ...] = ()
 
+    @classmethod
+    def of(cls, t: float, returncode: int, stderr_tail: tuple[str, ...]) -> EngineExit:
+        """From a Popen return code: negative for the signal that killed it."""
+        return cls(t=t, exit_code=returncode if returncode >= 0 else None,
+                   signal=-returncode if returncode < 0 else None, stderr_tail=stderr_tail)
+
+    def describe(self) -> str:
+        return f"signal {self.signal}" if self.signal is not None else f"exit code {self.exit_code}"
+
 
 class GatewayLink(BaseModel):
     """The `kvops gateway` in front of an engine, as the supervisor reads it (docs/gateway.md)."""

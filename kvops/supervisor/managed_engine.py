@@ -227,8 +227,7 @@ class ManagedEngine:
         code = process.returncode
         _kill_group(process)  # what the engine forked and left behind
         self._read_to_end()
-        event = EngineExit(t=now, exit_code=code if code >= 0 else None, signal=-code if code < 0 else None,
-                           stderr_tail=tuple(self.stderr_tail))
+        event = EngineExit.of(now, code, tuple(self.stderr_tail))
         self.history.record_exit(event)
         self.process = None
         if self.stopping:

@@ -150,8 +150,7 @@ class GatewayHandle:
         self.exits += 1
         self.last_exit = describe_exit(code)
         lines = self._log_tail()
-        self.record.record_exit(EngineExit(t=now, exit_code=code if code >= 0 else None,
-                                           signal=-code if code < 0 else None, stderr_tail=lines))
+        self.record.record_exit(EngineExit.of(now, code, lines))
         policy = self.spec.restart
         recent = self.record.exits_within(policy.crash_loop_window_s, now)
         if code == GATEWAY_CONFIG_ERROR_EXIT:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Mapping
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +57,6 @@ class VllmLauncher:
         self.kv_events = kv_events
         # Whether this vLLM has KV cache events: asked at the first start that needs it (None: not yet).
         self.kv_events_supported: bool | None = None
-        self._flags: InstalledFlags | None = None
-        self._flags_asked = False
 
     def publishes_kv_events(self) -> bool:
         """Whether this vLLM publishes the events kvops reads: not when they are off, or when kvops would add them
@@ -68,7 +67,7 @@ class VllmLauncher:
         if KV_EVENTS_KEY in self.configured:
             return True
         if self.kv_events_supported is None:
-            flags = self.installed()
+            flags = self.installed
             self.kv_events_supported = flags is None or KV_EVENTS_FLAG in flags.flags
             if not self.kv_events_supported:
                 log.warning("the vLLM of %s has no --kv-events-config (vLLM 0.9.0 and later): engine %s runs without "
@@ -79,18 +78,16 @@ class VllmLauncher:
                admin_token: str) -> Launch:
         # Cached prompt tokens in each response's usage (prompt_tokens_details), which a gateway in front of this
         # vLLM counts per tenant (docs/gateway.md); `enable_prompt_tokens_details = false` in the args turns it off.
-        args = without_poll_logs({PROMPT_DETAILS_KEY: True, **args}, self.installed())
+        args = without_poll_logs({PROMPT_DETAILS_KEY: True, **args}, self.installed)
         settings = server_settings(with_drain(self._with_events(args), drain_timeout_s), host, port)
         env = {**server_env(settings), "PYTHONUNBUFFERED": "1"}
         return Launch(server_argv(self.python, settings), env, str(neutral_cwd()))
 
+    @cached_property
     def installed(self) -> InstalledFlags | None:
         """The flags of this vLLM (asked once per installation, then cached on disk); None when kvops cannot tell,
         and then it adds none of the flags it would only pass to a vLLM that has them."""
-        if not self._flags_asked:
-            self._flags_asked = True
-            self._flags = ask_flags(self.python, self.configured)
-        return self._flags
+        return ask_flags(self.python, self.configured)
 
     def _with_events(self, args: Mapping[str, Any]) -> dict[str, Any]:
         """The args with kvops's --kv-events-config added where kvops reads the events and the args do not say."""
